@@ -1,0 +1,32 @@
+"""The interface every batcher offers to its bucket and device slice."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from buckets.request import Request
+from buckets.stats import BucketStats
+
+
+class Batcher(Protocol):
+    """A queue of requests plus the loop body that turns them into forwards.
+
+    ``submit`` is called from the event loop thread; everything else from the slice's worker.
+    """
+
+    kind: str
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (thread-safe, never blocks)."""
+
+    def seconds_until_ready(self, now: float) -> float | None:
+        """``None``: no work. ``0.0``: :meth:`step` has work now. Else seconds until it will."""
+
+    def step(self) -> None:
+        """Run one forward (a continuous step or a dynamic batch) and emit its results."""
+
+    def stats(self) -> BucketStats:
+        """A snapshot of counters and queue state."""
+
+    def shutdown(self) -> None:
+        """Fail every queued or running request with :class:`ShuttingDownError`."""

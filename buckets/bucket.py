@@ -1,0 +1,65 @@
+"""A bucket (a length range of one model with its own batcher) and a model's table of them.
+
+Shape bucketing: requests of similar length batch together, so little is wasted on padding
+and a short request never waits behind a long prefill in the same queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from buckets.batcher import Batcher
+from buckets.device_slice import DeviceSlice
+from buckets.request import Request
+from buckets.stats import BucketStats
+
+
+@dataclass
+class Bucket:
+    """Requests of one model whose prompts hold at most ``max_input_tokens`` tokens
+    (and more than the previous bucket's limit)."""
+
+    name: str
+    model_name: str
+    max_input_tokens: int
+    batcher: Batcher
+    device_slice: DeviceSlice
+
+    def submit(self, request: Request) -> None:
+        """Queue a request on this bucket's batcher and wake its slice (thread-safe)."""
+        request.info["bucket"] = self.name
+        self.batcher.submit(request)
+        self.device_slice.notify()
+
+    def stats(self) -> BucketStats:
+        return self.batcher.stats()
+
+
+class BucketTable:
+    """A model's buckets ordered by ``max_input_tokens``; :meth:`pick` routes by prompt length.
+
+    Raises:
+        ValueError: no buckets, or two buckets with the same limit.
+    """
+
+    def __init__(self, buckets: list[Bucket]):
+        if not buckets:
+            raise ValueError("a bucket table needs at least one bucket")
+        self.buckets = sorted(buckets, key=lambda b: b.max_input_tokens)
+        limits = [b.max_input_tokens for b in self.buckets]
+        if len(set(limits)) != len(limits):
+            raise ValueError(f"bucket limits must differ, got {limits}")
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.buckets[-1].max_input_tokens
+
+    def pick(self, num_tokens: int) -> Bucket | None:
+        """The smallest bucket whose ``max_input_tokens`` holds ``num_tokens``; ``None`` if none does."""
+        for bucket in self.buckets:
+            if num_tokens <= bucket.max_input_tokens:
+                return bucket
+        return None
+
+    def by_name(self, name: str) -> Bucket | None:
+        return next((b for b in self.buckets if b.name == name), None)

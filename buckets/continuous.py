@@ -1,0 +1,105 @@
+"""The continuous batcher: iteration-level scheduling for generation (Orca, vLLM, TGI).
+
+Every step runs all running sequences in one forward; new requests join between steps and
+finished ones leave at once. A failed forward fails the requests in it and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable
+
+import structlog
+
+from buckets.errors import BatchFailedError, ShuttingDownError
+from buckets.request import ErrorEvent, GenerationRequest, Request
+from buckets.scheduler import Scheduler
+from buckets.sequence import Sequence
+from buckets.settings import ContinuousBatcherSettings
+from buckets.stats import BucketStats, Counters
+from models.detokenizer import IncrementalDetokenizer
+from models.step_io import ForwardInput, ForwardOutput
+
+log = structlog.get_logger(__name__)
+
+
+class ContinuousBatcher:
+    """Owns a :class:`Scheduler` and a model runner (``run(ForwardInput) -> ForwardOutput``).
+
+    Args:
+        runner: the model runner (for example :class:`models.causal_lm.CausalLMRunner`).
+        settings: ``max_num_seqs`` and ``max_num_batched_tokens``.
+        tokenizer: detokenizes outputs.
+        eos_token_ids: tokens that end a sequence with ``finish_reason="stop"``.
+        clock: seconds, monotonic.
+    """
+
+    kind = "continuous"
+
+    def __init__(
+        self,
+        runner: Any,
+        settings: ContinuousBatcherSettings,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.runner = runner
+        self.settings = settings
+        self.scheduler = Scheduler(settings, clock)
+        self.clock = clock
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._inbox: collections.deque[GenerationRequest] = collections.deque()
+        self._counters = Counters()
+
+    def submit(self, request: Request) -> None:
+        assert isinstance(request, GenerationRequest)
+        request.timeline["enqueued"] = self.clock()
+        self._inbox.append(request)
+
+    def seconds_until_ready(self, now: float) -> float | None:
+        return 0.0 if self._inbox or self.scheduler.has_work else None
+
+    def step(self) -> None:
+        self._take_inbox()
+        self._counters.num_cancelled += len(self.scheduler.drop_cancelled())
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return
+        try:
+            output = self.runner.run(plan.forward)
+        except Exception as exc:  # a failed forward fails its requests, never the loop
+            log.exception("step_failed", step_id=plan.step_id, num_seqs=len(plan.scheduled))
+            self._fail(plan.scheduled, BatchFailedError(f"forward failed: {exc}"))
+            return
+        if plan.scheduled:
+            self._counters.record_batch(len(plan.scheduled), plan.forward.num_tokens)
+        finished = self.scheduler.postprocess(plan, output)
+        self._counters.num_finished += len(finished)
+
+    def stats(self) -> BucketStats:
+        return self._counters.snapshot(
+            self.kind,
+            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_running=len(self.scheduler.running),
+        )
+
+    def shutdown(self) -> None:
+        self._take_inbox()
+        pending = list(self.scheduler.waiting) + list(self.scheduler.running)
+        self._fail(pending, ShuttingDownError("the bucket stopped before the request finished"))
+        self.runner.run(ForwardInput([], self.scheduler.schedule().forward.released_seq_ids))
+
+    def _take_inbox(self) -> None:
+        while self._inbox:
+            request = self._inbox.popleft()
+            detokenizer = IncrementalDetokenizer(self._tokenizer, request.stop)
+            self.scheduler.add(Sequence(request, detokenizer, self._eos_token_ids))
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> None:
+        self.scheduler.fail(seqs)
+        self._counters.num_failed += len(seqs)
+        for seq in seqs:
+            seq.request.emit(ErrorEvent(error))

@@ -1,0 +1,103 @@
+"""Requests as the batching core sees them, and the events it sends back.
+
+The gateway builds a request with a ``sink``: a callable the worker thread calls with each
+event (it hands the event to the event loop with ``loop.call_soon_threadsafe``). The worker
+never blocks on the sink. ``cancel()`` may be called from any thread; the batcher drops a
+cancelled request at its next step and frees what it held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from models.step_io import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New generated text. ``finish_reason`` is set on the last event (``stop`` or ``length``)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+@dataclass(frozen=True)
+class EmbeddingEvent:
+    """One input's embedding (``hidden_size`` floats, L2-normalised when the model says so)."""
+
+    embedding: list[float]
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed inside the core; it is finished."""
+
+    error: Exception
+
+
+RequestEvent = TokenEvent | EmbeddingEvent | ErrorEvent
+Sink = Callable[[RequestEvent], None]
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class Request:
+    """A tokenised request routed to one bucket.
+
+    ``timeline`` maps stage names (``arrival``, ``enqueued``, ``first_token``, ``finished``) to
+    clock readings in seconds, and ``batches`` records ``(batch or step id, index in batch)`` for
+    each forward the request took part in. Both are written by the worker and read by the
+    gateway after the final event.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sink: Sink
+    priority: int = 0
+    timeline: dict[str, float] = field(default_factory=dict)
+    batches: list[tuple[int, int]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    seq_no: int = field(default_factory=lambda: next(_request_counter))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Ask the batcher to drop this request (client gone, deadline passed). Thread-safe."""
+        self._cancelled.set()
+
+    def emit(self, event: RequestEvent) -> None:
+        self.sink(event)
+
+
+@dataclass
+class GenerationRequest(Request):
+    """A completion or chat request: prompt tokens in, a stream of :class:`TokenEvent` out.
+
+    ``max_tokens`` bounds new tokens; ``stop`` strings end generation (not returned);
+    ``ignore_eos`` keeps generating past end-of-sequence tokens (benchmarks use it).
+    """
+
+    max_tokens: int = 16
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class EmbeddingRequest(Request):
+    """One embedding input: prompt tokens in, one :class:`EmbeddingEvent` out."""

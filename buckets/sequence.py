@@ -1,0 +1,68 @@
+"""The state of one generation request inside the continuous batcher."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from buckets.request import GenerationRequest, TokenEvent
+from models.detokenizer import IncrementalDetokenizer
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt and output tokens of one request, how many are computed, and its detokenizer.
+
+    Owned by the bucket's worker thread.
+    """
+
+    def __init__(self, request: GenerationRequest, detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int]):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self._detokenizer = detokenizer
+        self._eos_token_ids = frozenset() if request.ignore_eos else eos_token_ids
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens this sequence can reach: prompt + ``max_tokens``."""
+        return len(self.prompt_token_ids) + self.request.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def next_input_token_ids(self) -> list[int]:
+        """The tokens not yet in the KV cache (whole prompt first, then the last sampled token)."""
+        all_ids = self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
+        return all_ids[self.num_computed_tokens :]
+
+    def append_token(self, token_id: int) -> TokenEvent:
+        """Add a sampled token, detect the end (EOS, stop string, ``max_tokens``), and return
+        the event to emit. Sets :attr:`finish_reason` when the sequence ends."""
+        self.output_token_ids.append(token_id)
+        if token_id in self._eos_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= self.request.max_tokens:
+            self.finish_reason = "length"
+        text = self._detokenizer.update(self.output_token_ids, is_last=self.finish_reason is not None)
+        if self._detokenizer.stopped:
+            self.finish_reason = "stop"
+        return TokenEvent(
+            text=text,
+            token_ids=[token_id],
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_completion_tokens=len(self.output_token_ids),
+        )

@@ -1,0 +1,27 @@
+"""Frozen settings the core receives (the gateway validates config files into these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DynamicBatcherSettings:
+    """A batch leaves when it holds ``max_batch_size`` requests or its oldest request has
+    waited ``max_queue_delay_ms`` milliseconds (Triton's dynamic batcher vocabulary)."""
+
+    max_batch_size: int
+    max_queue_delay_ms: float
+
+    @property
+    def max_queue_delay_s(self) -> float:
+        return self.max_queue_delay_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class ContinuousBatcherSettings:
+    """Per-step budgets of the continuous batcher (vLLM's names): at most ``max_num_seqs``
+    running sequences and ``max_num_batched_tokens`` tokens (prefill + decode) in one forward."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int

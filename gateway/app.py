@@ -1,0 +1,70 @@
+"""The litestar app factory: lifespan starts and stops the engine; one place maps errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from litestar import Litestar, Request, get
+from litestar.exceptions import HTTPException
+from litestar.response import Response
+
+from gateway.config import GatewayConfig
+from gateway.engine import Engine
+from gateway.errors import APIError
+from gateway.router import Router
+from gateway.routes.openai import OpenAIController
+
+log = structlog.get_logger(__name__)
+
+
+def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[Any]:
+    return Response(exc.body(), status_code=exc.status_code)
+
+
+def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    error = APIError(exc.status_code, str(exc.detail), kind)
+    return Response(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+def _unexpected_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    log.exception("unhandled_error", error=repr(exc))
+    return Response(APIError(500, "internal server error", "server_error").body(), status_code=500)
+
+
+@get("/health")
+async def health(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    engine: Engine = request.app.state.engine
+    return {"status": "ok", "models": sorted(engine.models)}
+
+
+def create_app(config: GatewayConfig) -> Litestar:
+    """Build the gateway app for ``config``. Models load in the lifespan, before serving starts."""
+    engine = Engine(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await asyncio.to_thread(engine.start)
+        log.info("gateway_ready", models=sorted(engine.models))
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    return Litestar(
+        route_handlers=[OpenAIController, health],
+        lifespan=[lifespan],
+        state=_state(engine),
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+        request_max_body_size=16 * 1024 * 1024,
+    )
+
+
+def _state(engine: Engine) -> Any:
+    from litestar.datastructures import State
+
+    return State({"engine": engine, "router": Router(engine)})

@@ -1,0 +1,149 @@
+"""The config file's schema (pydantic), validated once at start.
+
+A bad file fails with the field path and the bad value, for example
+``models.0.buckets.1.batcher.max_batch_size: Input should be greater than or equal to 1 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gateway.errors import ConfigError
+
+DEVICE_PATTERN = r"^(cpu|cuda:\d+)$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SliceConfig(_Strict):
+    """A device slice: a device and the worker thread that runs its buckets."""
+
+    name: str = Field(min_length=1)
+    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
+    num_threads: int = Field(default=1, ge=1, le=512)
+
+
+class DynamicBatcherConfig(_Strict):
+    """Encoder work: a batch leaves at ``max_batch_size`` or after ``max_queue_delay_ms``."""
+
+    kind: Literal["dynamic"]
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_queue_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
+
+
+class ContinuousBatcherConfig(_Strict):
+    """Generation: iteration-level scheduling with per-step budgets."""
+
+    kind: Literal["continuous"]
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+
+
+BatcherConfig = Annotated[DynamicBatcherConfig | ContinuousBatcherConfig, Field(discriminator="kind")]
+
+
+class BucketConfig(_Strict):
+    """Prompts of at most ``max_input_tokens`` tokens (above the previous bucket's limit)."""
+
+    max_input_tokens: int = Field(ge=1)
+    batcher: BatcherConfig
+    slice: str = Field(min_length=1)
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
+
+    @property
+    def bucket_name(self) -> str:
+        return self.name or f"le{self.max_input_tokens}"
+
+
+class ModelConfig(_Strict):
+    """One served model."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    source: str = Field(min_length=1)
+    task: Literal["generate", "embed"]
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_model_len: int = Field(ge=2)
+    buckets: list[BucketConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_buckets(self) -> "ModelConfig":
+        limits = [b.max_input_tokens for b in self.buckets]
+        if limits != sorted(set(limits)):
+            raise ValueError(f"buckets: max_input_tokens must be strictly increasing, got {limits}")
+        if limits[-1] > self.max_model_len:
+            raise ValueError(f"buckets: max_input_tokens {limits[-1]} exceeds max_model_len {self.max_model_len}")
+        names = [b.bucket_name for b in self.buckets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"buckets: names must be unique, got {names}")
+        want = "continuous" if self.task == "generate" else "dynamic"
+        for i, b in enumerate(self.buckets):
+            if b.batcher.kind != want:
+                raise ValueError(f"buckets.{i}.batcher.kind: a {self.task} model needs '{want}', got '{b.batcher.kind}'")
+            if isinstance(b.batcher, ContinuousBatcherConfig) and b.batcher.max_num_batched_tokens < b.max_input_tokens:
+                raise ValueError(
+                    f"buckets.{i}.batcher.max_num_batched_tokens: {b.batcher.max_num_batched_tokens} is below the "
+                    f"bucket's max_input_tokens {b.max_input_tokens}; a whole prompt must fit in one step"
+                )
+        return self
+
+
+class GatewayConfig(_Strict):
+    """The whole file: slices, then models whose buckets name those slices."""
+
+    slices: list[SliceConfig] = Field(min_length=1)
+    models: list[ModelConfig] = Field(min_length=1)
+    cache_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check_references(self) -> "GatewayConfig":
+        slice_names = [s.name for s in self.slices]
+        if len(set(slice_names)) != len(slice_names):
+            raise ValueError(f"slices: names must be unique, got {slice_names}")
+        model_names = [m.name for m in self.models]
+        if len(set(model_names)) != len(model_names):
+            raise ValueError(f"models: names must be unique, got {model_names}")
+        for i, model in enumerate(self.models):
+            for j, bucket in enumerate(model.buckets):
+                if bucket.slice not in slice_names:
+                    raise ValueError(f"models.{i}.buckets.{j}.slice: unknown slice {bucket.slice!r}; known: {slice_names}")
+        return self
+
+
+def parse_config(data: object, origin: str = "<config>") -> GatewayConfig:
+    """Validate a parsed YAML/JSON document.
+
+    Raises:
+        ConfigError: with one line per problem: ``field.path: reason (got value)``.
+    """
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            path = ".".join(str(p) for p in err["loc"] if not re.fullmatch(r"(dynamic|continuous)", str(p)))
+            got = "" if err["type"] in ("value_error", "missing") else f" (got {err.get('input')!r})"
+            lines.append(f"{path or '<root>'}: {err['msg']}{got}")
+        raise ConfigError(f"{origin}: invalid config\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a YAML config file.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, or an invalid field (path and value named).
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, str(path))

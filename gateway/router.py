@@ -1,0 +1,74 @@
+"""Tokenizing once and routing a prompt to its model's bucket."""
+
+from __future__ import annotations
+
+from buckets.bucket import Bucket
+from gateway.engine import Engine, ServedModel
+from gateway.errors import invalid_request, model_not_found
+from gateway.schemas import ChatMessage
+
+
+class Router:
+    """Looks models up, tokenizes prompts, and picks the smallest bucket that holds them."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def model(self, name: str, task: str) -> ServedModel:
+        """The served model called ``name`` for ``task``.
+
+        Raises:
+            APIError: 404 for an unknown model; 400 when it does not serve ``task``.
+        """
+        served = self.engine.models.get(name)
+        if served is None:
+            raise model_not_found(name)
+        if served.config.task != task:
+            raise invalid_request(f"The model '{name}' does not support {task}", param="model", code="wrong_task")
+        return served
+
+    @staticmethod
+    def tokenize(served: ServedModel, text: str) -> list[int]:
+        return list(served.loaded.tokenizer(text).input_ids)
+
+    @staticmethod
+    def tokenize_chat(served: ServedModel, messages: list[ChatMessage]) -> list[int]:
+        """Apply the tokenizer's chat template (with the generation prompt) and tokenize."""
+        tokenizer = served.loaded.tokenizer
+        if not tokenizer.chat_template:
+            raise invalid_request(f"The model '{served.config.name}' has no chat template", param="messages")
+        text = tokenizer.apply_chat_template(
+            [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    @staticmethod
+    def route(served: ServedModel, num_prompt_tokens: int, max_tokens: int, param: str) -> Bucket:
+        """The bucket for a prompt of ``num_prompt_tokens`` that may grow by ``max_tokens``.
+
+        Raises:
+            APIError: 400 when the prompt exceeds the largest bucket or the total exceeds
+            ``max_model_len``; both messages name the limit.
+        """
+        max_model_len = served.config.max_model_len
+        if num_prompt_tokens + max_tokens > max_model_len:
+            raise invalid_request(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                f"{num_prompt_tokens} tokens and max_tokens is {max_tokens}",
+                param="max_tokens" if num_prompt_tokens < max_model_len else param,
+                code="context_length_exceeded",
+            )
+        bucket = served.table.pick(num_prompt_tokens)
+        if bucket is None:
+            raise invalid_request(
+                f"The prompt has {num_prompt_tokens} tokens; the largest bucket of '{served.config.name}' "
+                f"takes at most {served.table.max_input_tokens} input tokens",
+                param=param,
+                code="prompt_too_long",
+            )
+        return bucket
+
+    @staticmethod
+    def default_max_tokens(served: ServedModel, num_prompt_tokens: int) -> int:
+        return max(1, served.config.max_model_len - num_prompt_tokens)
+

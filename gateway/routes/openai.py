@@ -1,0 +1,146 @@
+"""OpenAI-compatible routes: models, completions, chat completions (SSE streaming), embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, TypeVar
+
+from litestar import Controller, Request, get, post
+from litestar.response import Response, Stream
+from pydantic import BaseModel, ValidationError
+
+from buckets.request import EmbeddingRequest, ErrorEvent, GenerationRequest
+from gateway.engine import ServedModel
+from gateway.errors import APIError, invalid_request
+from gateway.logging import log_request_finished
+from gateway.router import Router
+from gateway.routes.generation import collect_response, stream_response
+from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
+from gateway.streams import EventChannel
+from models.step_io import SamplingParams
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+async def parse_body(request: Request[Any, Any, Any], schema: type[BodyT]) -> BodyT:
+    """Parse and validate a JSON body.
+
+    Raises:
+        APIError: 400 for malformed JSON or a field that fails validation (``param`` names it).
+    """
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid_request("The request body must be a JSON object", code="invalid_json")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or p != 0) or None
+        raise invalid_request(f"{param}: {err['msg']}", param=param) from None
+
+
+def _router(request: Request[Any, Any, Any]) -> Router:
+    return request.app.state.router  # type: ignore[no-any-return]
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+
+    @get("/models")
+    async def list_models(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        models = _router(request).engine.models.values()
+        data = [{"id": m.config.name, "object": "model", "created": 0, "owned_by": "sluice"} for m in models]
+        return {"object": "list", "data": data}
+
+    @post("/completions", status_code=200)
+    async def completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+        body = await parse_body(request, CompletionBody)
+        router = _router(request)
+        served = router.model(body.model, "generate")
+        prompt_ids = await asyncio.to_thread(router.tokenize, served, body.prompt)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        return await _generate(router, served, body, prompt_ids, max_tokens, "prompt", chat=False)
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+        body = await parse_body(request, ChatCompletionBody)
+        router = _router(request)
+        served = router.model(body.model, "generate")
+        prompt_ids = await asyncio.to_thread(router.tokenize_chat, served, body.messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens or router.default_max_tokens(served, len(prompt_ids))
+        return await _generate(router, served, body, prompt_ids, max_tokens, "messages", chat=True)
+
+    @post("/embeddings", status_code=200)
+    async def embeddings(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        body = await parse_body(request, EmbeddingBody)
+        router = _router(request)
+        served = router.model(body.model, "embed")
+        texts = body.inputs()
+        token_lists = await asyncio.to_thread(lambda: [router.tokenize(served, t) for t in texts])
+        buckets = [router.route(served, len(ids), 0, "input") for ids in token_lists]
+        results = await asyncio.gather(*(_embed_one(served, b, ids) for b, ids in zip(buckets, token_lists)))
+        data = [{"object": "embedding", "index": i, "embedding": emb} for i, emb in enumerate(results)]
+        num_tokens = sum(len(ids) for ids in token_lists)
+        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+        return {"object": "list", "data": data, "model": served.config.name, "usage": usage}
+
+
+async def _embed_one(served: ServedModel, bucket: Any, token_ids: list[int]) -> list[float]:
+    channel = EventChannel()
+    request = EmbeddingRequest(request_id=f"emb-{uuid.uuid4().hex}", prompt_token_ids=token_ids, sink=channel.sink)
+    request.timeline["arrival"] = time.monotonic()
+    bucket.submit(request)
+    try:
+        async for event in channel.events():
+            if isinstance(event, ErrorEvent):
+                raise APIError(500, f"embedding failed: {event.error}", "server_error")
+            log_request_finished(served.config.name, request, 0, "ok")
+            return event.embedding  # type: ignore[union-attr]
+    finally:
+        request.cancel()
+    raise APIError(500, "embedding produced no result", "server_error")
+
+
+async def _generate(
+    router: Router,
+    served: ServedModel,
+    body: CompletionBody | ChatCompletionBody,
+    prompt_ids: list[int],
+    max_tokens: int,
+    prompt_param: str,
+    chat: bool,
+) -> Response[Any] | Stream:
+    if not prompt_ids:
+        raise invalid_request("The prompt tokenizes to no tokens", param=prompt_param)
+    bucket = router.route(served, len(prompt_ids), max_tokens, prompt_param)
+    params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed)
+    channel = EventChannel()
+    prefix = "chatcmpl" if chat else "cmpl"
+    request = GenerationRequest(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt_token_ids=prompt_ids,
+        sink=channel.sink,
+        priority=body.priority,
+        max_tokens=max_tokens,
+        params=params,
+        stop=body.stop_strings(),
+        ignore_eos=body.ignore_eos,
+    )
+    request.timeline["arrival"] = time.monotonic()
+    bucket.submit(request)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Stream(
+            stream_response(served, request, channel, chat, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    return Response(await collect_response(served, request, channel, chat))
+

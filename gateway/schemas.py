@@ -1,0 +1,90 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), validated before anything is queued."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras).
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _SamplingBody(_Body):
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=0)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    priority: StrictInt = 0
+    ignore_eos: StrictBool = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        return stop
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionBody(_SamplingBody):
+    """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does."""
+
+    prompt: StrictStr = Field(min_length=1)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+
+
+class ChatCompletionBody(_SamplingBody):
+    """``POST /v1/chat/completions``. Without ``max_tokens`` (or ``max_completion_tokens``)
+    generation may run to the model's ``max_model_len``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+
+
+class EmbeddingBody(_Body):
+    """``POST /v1/embeddings``: one string or a list of strings."""
+
+    model: StrictStr
+    input: StrictStr | list[StrictStr]
+    encoding_format: Literal["float"] = "float"
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: str | list[str]) -> str | list[str]:
+        items = [value] if isinstance(value, str) else value
+        if not items or any(not s for s in items):
+            raise ValueError("input must be a non-empty string or a non-empty list of non-empty strings")
+        return value
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)

@@ -1,0 +1,69 @@
+"""Plain data passed between the scheduler and the model runner (no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token.
+
+    ``temperature == 0`` is greedy (argmax). ``top_k == 0`` and ``top_p == 1`` turn those filters
+    off. ``seed`` makes sampling reproducible per request, whatever else shares the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's share of a step.
+
+    Fields:
+        seq_id: the sequence's id, stable for its life.
+        token_ids: the tokens to compute this step (a whole prompt, a prefill chunk, or the last
+            sampled token for a decode).
+        position: how many of the sequence's tokens are already in its KV cache; the first of
+            ``token_ids`` sits at this absolute position.
+        capacity_tokens: prompt + max new tokens; sizes the KV storage on the sequence's first step.
+        do_sample: whether to sample a next token after this step (false for a non-final prefill chunk).
+        params: sampling parameters.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    position: int
+    capacity_tokens: int
+    do_sample: bool
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    """The runner's whole input for one step.
+
+    ``sequences`` run packed in one forward. ``released_seq_ids`` are sequences that ended since
+    the last step: the runner drops their KV storage and sampler state before running.
+    """
+
+    sequences: list[SequenceInput]
+    released_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """The runner's result: one sampled token id for each sequence with ``do_sample``."""
+
+    sampled_token_ids: dict[int, int]
