@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Any
 
 import structlog
@@ -42,6 +43,16 @@ async def health(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return {"status": "ok", "models": sorted(engine.models)}
 
 
+@get("/stats")
+async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Per-model, per-bucket snapshots of the batchers' counters and queues (JSON)."""
+    engine: Engine = request.app.state.engine
+    return {
+        name: {b.name: {**asdict(b.stats()), "max_input_tokens": b.max_input_tokens} for b in served.table.buckets}
+        for name, served in engine.models.items()
+    }
+
+
 def create_app(config: GatewayConfig) -> Litestar:
     """Build the gateway app for ``config``. Models load in the lifespan, before serving starts."""
     engine = Engine(config)
@@ -56,7 +67,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             await asyncio.to_thread(engine.stop)
 
     return Litestar(
-        route_handlers=[OpenAIController, health],
+        route_handlers=[OpenAIController, health, stats],
         lifespan=[lifespan],
         state=_state(engine),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},

@@ -86,6 +86,11 @@ class ModelConfig(_Strict):
         for i, b in enumerate(self.buckets):
             if b.batcher.kind != want:
                 raise ValueError(f"buckets.{i}.batcher.kind: a {self.task} model needs '{want}', got '{b.batcher.kind}'")
+            if isinstance(b.batcher, ContinuousBatcherConfig) and b.batcher.max_num_batched_tokens < b.batcher.max_num_seqs:
+                raise ValueError(
+                    f"buckets.{i}.batcher.max_num_batched_tokens: {b.batcher.max_num_batched_tokens} is below "
+                    f"max_num_seqs {b.batcher.max_num_seqs}; every running sequence decodes one token per step"
+                )
             if isinstance(b.batcher, ContinuousBatcherConfig) and b.batcher.max_num_batched_tokens < b.max_input_tokens:
                 raise ValueError(
                     f"buckets.{i}.batcher.max_num_batched_tokens: {b.batcher.max_num_batched_tokens} is below the "
@@ -128,7 +133,12 @@ def parse_config(data: object, origin: str = "<config>") -> GatewayConfig:
         lines = []
         for err in exc.errors():
             path = ".".join(str(p) for p in err["loc"] if not re.fullmatch(r"(dynamic|continuous)", str(p)))
-            got = "" if err["type"] in ("value_error", "missing") else f" (got {err.get('input')!r})"
+            if err["type"] == "value_error":
+                # Our validators word their own message as "relative.path: reason (value)".
+                message = err["msg"].removeprefix("Value error, ")
+                lines.append(f"{path}.{message}" if path else message)
+                continue
+            got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
             lines.append(f"{path or '<root>'}: {err['msg']}{got}")
         raise ConfigError(f"{origin}: invalid config\n  " + "\n  ".join(lines)) from None
 

@@ -24,13 +24,15 @@ class _SamplingBody(_Body):
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0.0, le=2.0)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch.Generator range
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     priority: StrictInt = 0
     ignore_eos: StrictBool = False
+    # vLLM's extension: also return prompt and completion token ids in each choice.
+    return_token_ids: StrictBool = False
 
     @field_validator("n")
     @classmethod
@@ -76,7 +78,7 @@ class EmbeddingBody(_Body):
 
     model: StrictStr
     input: StrictStr | list[StrictStr]
-    encoding_format: Literal["float"] = "float"
+    encoding_format: Literal["float", "base64"] = "float"
 
     @field_validator("input")
     @classmethod

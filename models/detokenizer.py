@@ -53,9 +53,10 @@ class IncrementalDetokenizer:
         self._text = text
         end = len(text)
         if not (is_last or self.stopped):
-            end -= self._hold_chars
+            # Strip an incomplete character first, so it cannot use up a held-back slot.
             while end > self._released and text[end - 1] == REPLACEMENT_CHAR:
                 end -= 1
+            end -= self._hold_chars
         if end <= self._released:
             return ""
         delta = text[self._released : end]

@@ -41,7 +41,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
     """Sample from one ``[vocab_size]`` row after temperature, top-k and top-p filtering."""
-    logits = logits / p.temperature
+    # Shift first so a tiny temperature cannot overflow to inf (the top token stays at 0).
+    logits = (logits - logits.max()) / p.temperature
     if 0 < p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

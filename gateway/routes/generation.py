@@ -28,7 +28,7 @@ def _envelope(served: ServedModel, request: GenerationRequest, chat: bool, chunk
 
 
 async def collect_response(
-    served: ServedModel, request: GenerationRequest, channel: EventChannel, chat: bool
+    served: ServedModel, request: GenerationRequest, channel: EventChannel, chat: bool, return_token_ids: bool = False
 ) -> dict[str, Any]:
     """Wait for the whole generation; return the completion object.
 
@@ -36,6 +36,7 @@ async def collect_response(
         APIError: 500 when the core failed the request.
     """
     pieces: list[str] = []
+    token_ids: list[int] = []
     last: TokenEvent | None = None
     try:
         async for event in channel.events():
@@ -44,6 +45,7 @@ async def collect_response(
                 raise APIError(500, f"generation failed: {event.error}", "server_error")
             assert isinstance(event, TokenEvent)
             pieces.append(event.text)
+            token_ids.extend(event.token_ids)
             last = event
     finally:
         request.cancel()  # no-op once finished; frees the sequence if the client went away
@@ -59,6 +61,8 @@ async def collect_response(
         }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+    if return_token_ids:
+        choice.update(prompt_token_ids=request.prompt_token_ids, token_ids=token_ids)
     body = _envelope(served, request, chat, chunk=False)
     body.update(choices=[choice], usage=_usage(last.num_prompt_tokens, last.num_completion_tokens))
     return body

