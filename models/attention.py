@@ -68,10 +68,11 @@ def packed_attention(
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layer = module.layer_idx
+    key_value = torch.stack((key[0], value[0]))  # [2, num_kv_heads, T, head_dim]
     outputs = []
     for seg in step.segments:
         end = seg.start + seg.num_tokens
-        seg.kv.write(layer, seg.position, key[0, :, seg.start : end], value[0, :, seg.start : end])
+        seg.kv.write(layer, seg.position, key_value[:, :, seg.start : end])
         k, v = seg.kv.view(layer, seg.position + seg.num_tokens)
         q = query[:, :, seg.start : end]
         outputs.append(_attend(q, k, v, seg.position, scaling))

@@ -50,12 +50,12 @@ class SequenceKVCache:
             (shape.num_layers, 2, shape.num_kv_heads, capacity_tokens, shape.head_dim), dtype=dtype, device=device
         )
 
-    def write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store ``key``/``value`` of shape ``[num_kv_heads, n, head_dim]`` at positions ``start .. start+n``."""
-        end = start + key.shape[1]
+    def write(self, layer: int, start: int, key_value: torch.Tensor) -> None:
+        """Store K and V stacked as ``[2, num_kv_heads, n, head_dim]`` at positions ``start .. start+n``
+        (one copy for both, which matters when a step writes thousands of small segments)."""
+        end = start + key_value.shape[2]
         assert end <= self.capacity_tokens, "KV write past the sequence's capacity"
-        self.data[layer, 0, :, start:end] = key
-        self.data[layer, 1, :, start:end] = value
+        self.data[layer, :, :, start:end] = key_value
 
     def view(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first ``length`` positions, each ``[1, num_kv_heads, length, head_dim]``."""

@@ -57,6 +57,10 @@ def load_model(name: str, source: str, task: Task, dtype: str, device: str, cach
     else:
         model = AutoModel.from_pretrained(folder, dtype=torch_dtype)
     model.to(device).eval()
+    if task == "generate":
+        from models.cpu_linear import prepack_linears
+
+        prepack_linears(model)
     return LoadedModel(
         name=name,
         task=task,

@@ -26,14 +26,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the test server writes its stdout and stderr (JSON log lines)."""
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="session")
+def server_url(server_log: Path) -> Iterator[str]:
     """Start ``python -m gateway serve`` with the test config; yield its base URL."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log_path = server_log
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--config", str(CONFIG), "--port", str(port), "--log-level", "warning"],
+            [sys.executable, "-m", "gateway", "serve", "--config", str(CONFIG), "--port", str(port), "--log-level", "info"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -75,7 +75,10 @@ def test_32_concurrent_embeddings_equal_single_forwards(server_url, async_openai
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(async_openai_client) -> None:
-    request = dict(model=GENERATE_MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    request = dict(
+        model=GENERATE_MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
+        extra_body={"top_k": 50},
+    )
 
     async def alone(seed: int):
         return await async_openai_client().completions.create(**{**request, "seed": seed})

@@ -1,0 +1,227 @@
+"""The four systems the engine benchmark times, each as ``run_*(engines, prompts, max_new_tokens)``.
+
+- ``sequential``: stock Hugging Face ``generate``, one request at a time.
+- ``static_<n>``: stock ``generate`` on left-padded batches of ``n`` requests, in arrival order.
+- ``sluice``: Sluice's continuous batcher with all requests submitted at once, stepped in the
+  calling thread until every request has finished.
+
+Every request is greedy and produces exactly ``max_new_tokens`` tokens (end-of-sequence ignored),
+so the systems do the same work. Each run starts with an untimed warm-up; the timed wall clock
+includes prefill.
+
+torch, transformers and the batching core are imported when a system runs, so the CLI can list
+this module's names without loading them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from models.loader import LoadedModel
+
+SLUICE_MAX_NUM_SEQS = 64
+SLUICE_MAX_NUM_BATCHED_TOKENS = 2048
+WARM_UP_PROMPT_TOKENS = 16
+WARM_UP_NEW_TOKENS = 2
+PROGRESS_EVERY_REQUESTS = 16
+
+
+@dataclass(frozen=True)
+class SystemResult:
+    """One system's timed run.
+
+    ``outputs`` holds the generated token ids of each request, in arrival order;
+    ``wall_s`` the wall time from the first submission to the last token, in seconds;
+    ``cpu_s`` the CPU time this process spent meanwhile, all threads, in seconds;
+    ``num_threads`` the torch intra-op threads it ran with.
+    """
+
+    outputs: list[list[int]]
+    wall_s: float
+    cpu_s: float
+    num_threads: int
+
+    @property
+    def cpu_busy_fraction(self) -> float:
+        """Process CPU seconds per wall second per torch thread (near 1: the cores were ours)."""
+        return self.cpu_s / (self.wall_s * self.num_threads)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.outputs)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per wall second."""
+        return self.num_generated_tokens / self.wall_s
+
+
+@dataclass
+class Engines:
+    """What the systems run on: the model as Sluice loads it, and a stock Hugging Face copy.
+
+    The stock copy (SDPA attention, float32, left-padding tokenizer) is loaded from
+    ``loaded.folder`` on first use, so a run without baselines never loads it. ``progress``
+    receives a line now and then during long runs.
+    """
+
+    loaded: LoadedModel
+    progress: Callable[[str], None] = lambda message: None
+    _baseline: tuple[Any, Any] | None = field(default=None, repr=False)
+
+    def baseline(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` of stock Hugging Face, loaded once."""
+        if self._baseline is None:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            folder = self.loaded.folder
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+            tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            self._baseline = (model.eval(), tokenizer)
+        return self._baseline
+
+
+def run_sequential(engines: Engines, prompts: list[list[int]], max_new_tokens: int) -> SystemResult:
+    """Stock ``generate`` on one request at a time."""
+    return run_static(engines, prompts, max_new_tokens, batch_size=1)
+
+
+def run_static(engines: Engines, prompts: list[list[int]], max_new_tokens: int, *, batch_size: int) -> SystemResult:
+    """Stock ``generate`` on left-padded batches of ``batch_size`` requests, in arrival order."""
+    model, tokenizer = engines.baseline()
+    _hf_generate(model, tokenizer, [p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
+    outputs: list[list[int]] = []
+    clock = _Stopwatch()
+    for first in range(0, len(prompts), batch_size):
+        outputs.extend(_hf_generate(model, tokenizer, prompts[first : first + batch_size], max_new_tokens))
+        if len(outputs) % PROGRESS_EVERY_REQUESTS == 0 or len(outputs) == len(prompts):
+            engines.progress(f"  {len(outputs)}/{len(prompts)} requests done, {clock.wall_s():.1f} s")
+    return clock.result(outputs)
+
+
+def _hf_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy ``generate`` of exactly ``max_new_tokens`` per prompt; returns the new token ids.
+
+    ``min_new_tokens`` is how Hugging Face ignores end-of-sequence: it bans EOS until the limit.
+    """
+    import torch
+
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        sequences = model.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return sequences[:, batch["input_ids"].shape[1] :].tolist()
+
+
+def run_sluice(engines: Engines, prompts: list[list[int]], max_new_tokens: int) -> SystemResult:
+    """Sluice's continuous batcher: submit every request at once, step until all have finished."""
+    from models.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(engines.loaded.model)
+    _sluice_generate(runner, engines.loaded, [p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
+    clock = _Stopwatch()
+    outputs = _sluice_generate(runner, engines.loaded, prompts, max_new_tokens)
+    return clock.result(outputs)
+
+
+class _Stopwatch:
+    """Wall and process CPU time since it was made."""
+
+    def __init__(self) -> None:
+        self._wall_started = time.perf_counter()
+        self._cpu_started = time.process_time()
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self._wall_started
+
+    def result(self, outputs: list[list[int]]) -> SystemResult:
+        """The timed result of a run that produced ``outputs``, stopped now."""
+        import torch
+
+        cpu_s = time.process_time() - self._cpu_started
+        return SystemResult(outputs=outputs, wall_s=self.wall_s(), cpu_s=cpu_s, num_threads=torch.get_num_threads())
+
+
+class _Collector:
+    """Gathers each request's tokens from its events; notes errors and finished requests."""
+
+    def __init__(self, num_requests: int):
+        self.outputs: list[list[int]] = [[] for _ in range(num_requests)]
+        self.num_finished = 0
+        self.errors: list[Exception] = []
+
+    def sink(self, index: int) -> Callable[[Any], None]:
+        """The event sink of request ``index``."""
+        return functools.partial(self._on_event, index)
+
+    def _on_event(self, index: int, event: Any) -> None:
+        error = getattr(event, "error", None)  # an ErrorEvent: the request failed and is finished
+        if error is not None:
+            self.errors.append(error)
+            self.num_finished += 1
+            return
+        self.outputs[index].extend(event.token_ids)
+        self.num_finished += event.finish_reason is not None
+
+
+def _sluice_generate(
+    runner: Any, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Run ``prompts`` through a fresh continuous batcher on ``runner``; return the new token ids.
+
+    Raises:
+        RuntimeError: a request failed, or the batcher went idle before every request finished.
+    """
+    from buckets.continuous import ContinuousBatcher
+    from buckets.request import GenerationRequest
+    from buckets.settings import ContinuousBatcherSettings
+    from models.step_io import SamplingParams
+
+    settings = ContinuousBatcherSettings(SLUICE_MAX_NUM_SEQS, SLUICE_MAX_NUM_BATCHED_TOKENS)
+    batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
+    collector = _Collector(len(prompts))
+    for index, prompt in enumerate(prompts):
+        batcher.submit(
+            GenerationRequest(
+                request_id=f"bench-{index}",
+                prompt_token_ids=prompt,
+                sink=collector.sink(index),
+                max_tokens=max_new_tokens,
+                params=SamplingParams(temperature=0.0),
+                ignore_eos=True,
+            )
+        )
+    while collector.num_finished < len(prompts):
+        if batcher.seconds_until_ready(0.0) is None:
+            raise RuntimeError(f"batcher idle with {len(prompts) - collector.num_finished} requests unfinished")
+        batcher.step()
+        if collector.errors:
+            raise RuntimeError(f"sluice request failed: {collector.errors[0]!r}") from collector.errors[0]
+    # One more step hands the finished sequences' ids to the runner, which frees their KV
+    # (a few dict removals, no forward).
+    batcher.step()
+    return collector.outputs
+
+
+SYSTEMS: dict[str, Callable[[Engines, list[list[int]], int], SystemResult]] = {
+    "sequential": run_sequential,
+    "static_8": functools.partial(run_static, batch_size=8),
+    "static_32": functools.partial(run_static, batch_size=32),
+    "sluice": run_sluice,
+}
