@@ -90,7 +90,7 @@ class ContinuousBatcher:
         self._take_inbox()
         pending = list(self.scheduler.waiting) + list(self.scheduler.running)
         self._fail(pending, ShuttingDownError("the bucket stopped before the request finished"))
-        self.runner.run(ForwardInput([], self.scheduler.schedule().forward.released_seq_ids))
+        self.runner.run(ForwardInput([], self.scheduler.take_released()))
 
     def _take_inbox(self) -> None:
         while self._inbox:

@@ -90,8 +90,7 @@ class Scheduler:
         inputs = [self._input_of(seq) for seq in scheduled]
         for index, seq in enumerate(scheduled):
             seq.request.batches.append((step_id, index))
-        released, self._released = self._released, []
-        return StepPlan(step_id=step_id, forward=ForwardInput(inputs, released), scheduled=scheduled)
+        return StepPlan(step_id=step_id, forward=ForwardInput(inputs, self.take_released()), scheduled=scheduled)
 
     def postprocess(self, plan: StepPlan, output: ForwardOutput) -> list[Sequence]:
         """Record computed tokens, append sampled ones, emit events; return finished sequences."""
@@ -109,6 +108,11 @@ class Scheduler:
                 self._finish(seq, seq.finish_reason)
                 finished.append(seq)
         return finished
+
+    def take_released(self) -> list[int]:
+        """Ids released since the last plan, handed over once (for a final runner call on shutdown)."""
+        released, self._released = self._released, []
+        return released
 
     def fail(self, seqs: list[Sequence]) -> None:
         """Take failed sequences out of the queues and release their KV."""
