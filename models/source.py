@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 from models.errors import ModelSourceError
@@ -84,7 +85,13 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "sluice-source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
-    os.replace(tmp, folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        # Another process converted the same file meanwhile; keep its folder.
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
