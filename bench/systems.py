@@ -1,9 +1,11 @@
-"""The four systems the engine benchmark times, each as ``run_*(engines, prompts, max_new_tokens)``.
+"""The systems the engine benchmark times, each as ``run_*(engines, prompts, max_new_tokens)``.
 
 - ``sequential``: stock Hugging Face ``generate``, one request at a time.
 - ``static_<n>``: stock ``generate`` on left-padded batches of ``n`` requests, in arrival order.
+- ``hf_continuous``: Hugging Face's own continuous batching, ``model.generate_batch``, with every
+  request submitted at once (only where the installed transformers has it: :func:`has_generate_batch`).
 - ``sluice``: Sluice's continuous batcher with all requests submitted at once, stepped in the
-  calling thread until every request has finished.
+  calling thread until every request has finished, with a :class:`bench.step_trace.StepTrace`.
 
 Every request is greedy and produces exactly ``max_new_tokens`` tokens (end-of-sequence ignored),
 so the systems do the same work. Each run starts with an untimed warm-up; the timed wall clock
@@ -20,10 +22,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from bench.step_trace import StepTrace
 from models.loader import LoadedModel
 
 SLUICE_MAX_NUM_SEQS = 64
 SLUICE_MAX_NUM_BATCHED_TOKENS = 2048
+SLUICE_BLOCK_SIZE = 16
 WARM_UP_PROMPT_TOKENS = 16
 WARM_UP_NEW_TOKENS = 2
 PROGRESS_EVERY_REQUESTS = 16
@@ -36,13 +40,15 @@ class SystemResult:
     ``outputs`` holds the generated token ids of each request, in arrival order;
     ``wall_s`` the wall time from the first submission to the last token, in seconds;
     ``cpu_s`` the CPU time this process spent meanwhile, all threads, in seconds;
-    ``num_threads`` the torch intra-op threads it ran with.
+    ``num_threads`` the torch intra-op threads it ran with;
+    ``trace`` the per-step samples of a Sluice run (``None`` for the other systems).
     """
 
     outputs: list[list[int]]
     wall_s: float
     cpu_s: float
     num_threads: int
+    trace: StepTrace | None = None
 
     @property
     def cpu_busy_fraction(self) -> float:
@@ -129,15 +135,97 @@ def _hf_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_t
     return sequences[:, batch["input_ids"].shape[1] :].tolist()
 
 
+def has_generate_batch() -> bool:
+    """Whether the installed transformers has continuous batching (``generate_batch`` on its models).
+
+    Imports transformers' generation module, so the engine asks only when it is about to run.
+    """
+    from transformers import GenerationMixin
+
+    return hasattr(GenerationMixin, "generate_batch")
+
+
+def run_hf_continuous(engines: Engines, prompts: list[list[int]], max_new_tokens: int) -> SystemResult:
+    """Hugging Face's continuous batching: ``generate_batch`` on every request at once.
+
+    It runs on the stock copy, whose SDPA attention transformers' continuous batching reads from
+    its paged cache (flash attention, its other choice, needs CUDA). The manager is kept from the
+    warm-up to the timed call (``persistent_manager``), so its KV cache is allocated before the clock
+    starts, as Sluice's pool is, and destroyed after the run.
+    """
+    model, _ = engines.baseline()
+    config = _hf_continuous_config(prompts, max_new_tokens)
+    try:
+        _hf_generate_batch(model, config, [p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
+        clock = _Stopwatch()
+        outputs = _hf_generate_batch(model, config, prompts, max_new_tokens)
+        return clock.result(outputs)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
+def _hf_continuous_config(prompts: list[list[int]], max_new_tokens: int) -> Any:
+    """Sluice's budgets in transformers' terms: a pool roomy enough that nothing is evicted, at
+    most ``SLUICE_MAX_NUM_SEQS`` requests and ``SLUICE_MAX_NUM_BATCHED_TOKENS`` tokens a step.
+
+    Everything the manager would otherwise infer is set here: from free memory (the pool; on CPU
+    60% of RAM), or from the first call's requests (the persistent manager's request limit).
+    """
+    from transformers import ContinuousBatchingConfig
+
+    page_size = ContinuousBatchingConfig.page_size
+    return ContinuousBatchingConfig(
+        page_size=page_size,
+        num_blocks=roomy_num_blocks(prompts, max_new_tokens, page_size),
+        max_batch_tokens=SLUICE_MAX_NUM_BATCHED_TOKENS,
+        max_requests_per_batch=SLUICE_MAX_NUM_SEQS,
+        max_blocks_per_request=0,  # the decode fast path needs flash attention on CUDA
+        safety_margin=0.0,  # admit while blocks last, as Sluice does
+        auto_switch_to_flash=False,
+    )
+
+
+def _hf_generate_batch(model: Any, config: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy ``generate_batch`` of exactly ``max_new_tokens`` per prompt; returns the new token ids.
+
+    ``eos_token_id=-1`` is how transformers' continuous batching ignores end-of-sequence: EOS may be
+    chosen and generation goes on, as Sluice's ``ignore_eos`` (``generate``'s ``min_new_tokens``
+    instead bans EOS).
+
+    Raises:
+        RuntimeError: a request failed, went missing, or returned another number of tokens.
+    """
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
+    results = model.generate_batch(
+        prompts, generation_config=generation, continuous_batching_config=config, persistent_manager=True
+    )
+    outputs = [list(r.generated_tokens) for r in results.values()]
+    bad = [(i, len(r.generated_tokens), r.error) for i, r in enumerate(results.values())
+           if r.error is not None or len(r.generated_tokens) != max_new_tokens]
+    if len(outputs) != len(prompts) or bad:
+        raise RuntimeError(
+            f"generate_batch returned {len(outputs)}/{len(prompts)} results; bad (index, tokens, error): {bad[:3]}"
+        )
+    return outputs
+
+
 def run_sluice(engines: Engines, prompts: list[list[int]], max_new_tokens: int) -> SystemResult:
     """Sluice's continuous batcher: submit every request at once, step until all have finished."""
     from models.causal_lm import CausalLMRunner
 
-    runner = CausalLMRunner(engines.loaded.model)
+    runner = CausalLMRunner(engines.loaded.model, roomy_num_blocks(prompts, max_new_tokens), SLUICE_BLOCK_SIZE)
     _sluice_generate(runner, engines.loaded, [p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
+    trace = StepTrace.around(runner)
     clock = _Stopwatch()
-    outputs = _sluice_generate(runner, engines.loaded, prompts, max_new_tokens)
-    return clock.result(outputs)
+    outputs = _sluice_generate(runner, engines.loaded, prompts, max_new_tokens, trace)
+    return clock.result(outputs, trace)
+
+
+def roomy_num_blocks(prompts: list[list[int]], max_new_tokens: int, block_size: int = 16) -> int:
+    """Blocks for every request at full length at once: a pool in which nothing is preempted."""
+    return sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
 
 
 class _Stopwatch:
@@ -150,12 +238,13 @@ class _Stopwatch:
     def wall_s(self) -> float:
         return time.perf_counter() - self._wall_started
 
-    def result(self, outputs: list[list[int]]) -> SystemResult:
-        """The timed result of a run that produced ``outputs``, stopped now."""
+    def result(self, outputs: list[list[int]], trace: StepTrace | None = None) -> SystemResult:
+        """The timed result of a run that produced ``outputs`` (traced by ``trace``), stopped now."""
         import torch
 
         cpu_s = time.process_time() - self._cpu_started
-        return SystemResult(outputs=outputs, wall_s=self.wall_s(), cpu_s=cpu_s, num_threads=torch.get_num_threads())
+        num_threads = torch.get_num_threads()
+        return SystemResult(outputs=outputs, wall_s=self.wall_s(), cpu_s=cpu_s, num_threads=num_threads, trace=trace)
 
 
 class _Collector:
@@ -181,9 +270,12 @@ class _Collector:
 
 
 def _sluice_generate(
-    runner: Any, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int
+    runner: Any, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, trace: StepTrace | None = None
 ) -> list[list[int]]:
     """Run ``prompts`` through a fresh continuous batcher on ``runner``; return the new token ids.
+
+    With a ``trace`` (made around ``runner``), the batcher runs on ``trace.runner`` and every step
+    is recorded in it.
 
     Raises:
         RuntimeError: a request failed, or the batcher went idle before every request finished.
@@ -193,8 +285,10 @@ def _sluice_generate(
     from buckets.settings import ContinuousBatcherSettings
     from models.step_io import SamplingParams
 
-    settings = ContinuousBatcherSettings(SLUICE_MAX_NUM_SEQS, SLUICE_MAX_NUM_BATCHED_TOKENS)
-    batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
+    settings = ContinuousBatcherSettings(SLUICE_MAX_NUM_SEQS, SLUICE_MAX_NUM_BATCHED_TOKENS, SLUICE_BLOCK_SIZE)
+    stepped_runner = runner if trace is None else trace.runner
+    batcher = ContinuousBatcher(stepped_runner, settings, loaded.tokenizer, loaded.eos_token_ids)
+    step = batcher.step if trace is None else functools.partial(trace.step, batcher)
     collector = _Collector(len(prompts))
     for index, prompt in enumerate(prompts):
         batcher.submit(
@@ -210,12 +304,12 @@ def _sluice_generate(
     while collector.num_finished < len(prompts):
         if batcher.seconds_until_ready(0.0) is None:
             raise RuntimeError(f"batcher idle with {len(prompts) - collector.num_finished} requests unfinished")
-        batcher.step()
+        step()
         if collector.errors:
             raise RuntimeError(f"sluice request failed: {collector.errors[0]!r}") from collector.errors[0]
-    # One more step hands the finished sequences' ids to the runner, which frees their KV
-    # (a few dict removals, no forward).
-    batcher.step()
+    # One more step hands the finished sequences' ids to the runner, which drops their sampler
+    # state (a few dict removals, no forward).
+    step()
     return collector.outputs
 
 
@@ -223,5 +317,6 @@ SYSTEMS: dict[str, Callable[[Engines, list[list[int]], int], SystemResult]] = {
     "sequential": run_sequential,
     "static_8": functools.partial(run_static, batch_size=8),
     "static_32": functools.partial(run_static, batch_size=32),
+    "hf_continuous": run_hf_continuous,
     "sluice": run_sluice,
 }

@@ -40,6 +40,17 @@ class Workload:
             "seed": self.seed,
         }
 
+    def static_kv_tokens(self, batch_size: int, max_new_tokens: int) -> list[tuple[int, int]]:
+        """KV tokens of static batching: for each batch of ``batch_size`` prompts in arrival order,
+        ``(held, needed)``.
+
+        A left-padded batch holds every row at the longest prompt's length plus ``max_new_tokens``:
+        ``held = rows * (longest prompt + max_new_tokens)``; its requests need
+        ``needed = sum(prompt + max_new_tokens)``.
+        """
+        batches = [self.prompt_lengths[i : i + batch_size] for i in range(0, len(self.prompts), batch_size)]
+        return [(len(b) * (max(b) + max_new_tokens), sum(b) + len(b) * max_new_tokens) for b in batches]
+
 
 def corpus_text() -> str:
     """The prose the prompts are cut from: every ``pydoc_data.topics`` page, in sorted key order."""

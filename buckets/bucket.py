@@ -17,13 +17,15 @@ from buckets.stats import BucketStats
 @dataclass
 class Bucket:
     """Requests of one model whose prompts hold at most ``max_input_tokens`` tokens
-    (and more than the previous bucket's limit)."""
+    (and more than the previous bucket's limit). ``max_seq_tokens`` bounds prompt + ``max_tokens``
+    of one request (a continuous bucket's whole KV pool); ``None``: no such bound."""
 
     name: str
     model_name: str
     max_input_tokens: int
     batcher: Batcher
     device_slice: DeviceSlice
+    max_seq_tokens: int | None = None
 
     def submit(self, request: Request) -> None:
         """Queue a request on this bucket's batcher and wake its slice (thread-safe)."""

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import structlog
 
-from buckets.errors import BatchFailedError, ShuttingDownError
+from buckets.block_manager import BlockManager
+from buckets.errors import BatchFailedError, KVCapacityError, ShuttingDownError
 from buckets.request import ErrorEvent, GenerationRequest, Request
 from buckets.scheduler import Scheduler
 from buckets.sequence import Sequence
@@ -28,8 +29,9 @@ class ContinuousBatcher:
     """Owns a :class:`Scheduler` and a model runner (``run(ForwardInput) -> ForwardOutput``).
 
     Args:
-        runner: the model runner (for example :class:`models.causal_lm.CausalLMRunner`).
-        settings: ``max_num_seqs`` and ``max_num_batched_tokens``.
+        runner: the model runner (for example :class:`models.causal_lm.CausalLMRunner`); its
+            ``kv_cache`` (``num_blocks``, ``block_size``) sizes the block manager.
+        settings: ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, prefix caching.
         tokenizer: detokenizes outputs.
         eos_token_ids: tokens that end a sequence with ``finish_reason="stop"``.
         clock: seconds, monotonic.
@@ -45,9 +47,12 @@ class ContinuousBatcher:
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
     ):
+        if runner.kv_cache.block_size != settings.block_size:
+            raise ValueError(f"runner block_size {runner.kv_cache.block_size} != settings {settings.block_size}")
         self.runner = runner
         self.settings = settings
-        self.scheduler = Scheduler(settings, clock)
+        self.block_manager = BlockManager(runner.kv_cache.num_blocks, settings.block_size, settings.enable_prefix_caching)
+        self.scheduler = Scheduler(settings, self.block_manager, clock)
         self.clock = clock
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
@@ -79,11 +84,25 @@ class ContinuousBatcher:
         finished = self.scheduler.postprocess(plan, output)
         self._counters.num_finished += len(finished)
 
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens (prompt + ``max_tokens``) one request may need: the whole KV pool."""
+        return self.scheduler.max_seq_tokens
+
     def stats(self) -> BucketStats:
+        blocks = self.block_manager.stats()
         return self._counters.snapshot(
             self.kind,
             num_waiting=len(self.scheduler.waiting) + len(self._inbox),
             num_running=len(self.scheduler.running),
+            kv_block_size=self.settings.block_size,
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_evictable=blocks.num_evictable_blocks,
+            prefix_cache_queries=blocks.prefix_cache_queries,
+            prefix_cache_hits=blocks.prefix_cache_hits,
+            num_preemptions=self.scheduler.counters.num_preemptions,
+            num_chunked_prefills=self.scheduler.counters.num_chunked_prefills,
         )
 
     def shutdown(self) -> None:
@@ -96,7 +115,12 @@ class ContinuousBatcher:
         while self._inbox:
             request = self._inbox.popleft()
             detokenizer = IncrementalDetokenizer(self._tokenizer, request.stop)
-            self.scheduler.add(Sequence(request, detokenizer, self._eos_token_ids))
+            try:
+                self.scheduler.add(Sequence(request, detokenizer, self._eos_token_ids))
+            except KVCapacityError as exc:
+                request.info["outcome"] = "error"
+                self._counters.num_failed += 1
+                request.emit(ErrorEvent(exc))
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> None:
         self.scheduler.fail(seqs)

@@ -11,3 +11,7 @@ class BatchFailedError(BucketError):
 
 class ShuttingDownError(BucketError):
     """The bucket stopped before this request finished."""
+
+
+class KVCapacityError(BucketError):
+    """A sequence needs more KV blocks than the bucket's whole pool holds; it could never finish."""

@@ -2,9 +2,18 @@
 
 One step is three calls with plain data between them (as in vLLM v1 and nano-vllm):
 ``schedule() -> StepPlan``, ``ModelRunner.run(plan.forward) -> ForwardOutput``,
-``postprocess(plan, output) -> finished``. The scheduler is integer bookkeeping only; it never
-touches tensors. Running sequences decode first; waiting prompts join while the step's token
-budget (``max_num_batched_tokens``) and ``max_num_seqs`` allow, first come first served.
+``postprocess(plan, output) -> finished``. The scheduler and its
+:class:`~buckets.block_manager.BlockManager` are integer bookkeeping only; they never touch tensors.
+
+Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
+
+1. running sequences that decode get their one token first, then running sequences still in
+   prefill get their next chunk, so a long prompt never stalls the decodes beside it;
+2. a sequence whose blocks run out preempts by recompute: the victim (lowest priority, latest
+   arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes back to the front
+   of the waiting queue, to recompute its prompt and outputs when it resumes;
+3. if nothing was preempted, waiting sequences join while blocks and budget allow, reusing
+   prefix-cached blocks; a prompt longer than the budget left runs as a first chunk.
 """
 
 from __future__ import annotations
@@ -14,9 +23,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
+from buckets.block_manager import BlockManager
+from buckets.errors import KVCapacityError
 from buckets.sequence import Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
 from models.step_io import ForwardInput, ForwardOutput, SequenceInput
+from policies.preemption import pick_victim
 
 
 @dataclass(frozen=True)
@@ -27,30 +39,43 @@ class StepPlan:
         step_id: increasing id of this step (logged in request timelines).
         forward: the runner's input: packed sequences and ids released since the last step.
         scheduled: the sequences in ``forward.sequences``, same order.
+        num_preempted: sequences preempted while planning this step.
     """
 
     step_id: int
     forward: ForwardInput
     scheduled: list[Sequence] = field(default_factory=list)
+    num_preempted: int = 0
 
     @property
     def is_empty(self) -> bool:
         return not self.forward.sequences and not self.forward.released_seq_ids
 
 
+@dataclass
+class SchedulerCounters:
+    """Totals since start: preemptions and prefill chunks that left part of a prompt for later."""
+
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0
+
+
 class Scheduler:
-    """Owns the waiting queue and the running list of one bucket. Worker thread only.
+    """Owns the waiting queue, the running list and the block manager of one bucket. Worker thread only.
 
     Args:
         settings: step budgets.
+        block_manager: the bucket's KV block bookkeeping.
         clock: returns seconds (monotonic); stamps request timelines.
     """
 
-    def __init__(self, settings: ContinuousBatcherSettings, clock: Callable[[], float]):
+    def __init__(self, settings: ContinuousBatcherSettings, block_manager: BlockManager, clock: Callable[[], float]):
         self.settings = settings
+        self.block_manager = block_manager
         self.clock = clock
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
         self._released: list[int] = []
         self._step_ids = itertools.count()
 
@@ -58,48 +83,115 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._released)
 
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens one sequence can ever hold: the whole pool."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (called by the batcher when it takes a request from its inbox)."""
+        """Queue a new sequence (called by the batcher when it takes a request from its inbox).
+
+        Raises:
+            KVCapacityError: prompt + ``max_tokens`` needs more blocks than the whole pool holds,
+                so the sequence could never finish (the gateway refuses such requests earlier).
+        """
+        if seq.max_total_tokens > self.max_seq_tokens:
+            raise KVCapacityError(
+                f"prompt + max_tokens = {seq.max_total_tokens} tokens exceeds the KV pool's {self.max_seq_tokens} tokens"
+            )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def drop_cancelled(self) -> list[Sequence]:
-        """Remove cancelled sequences from both queues; their KV is released next step."""
+        """Remove cancelled sequences from both queues; their blocks return to the pool at once."""
         dropped = [s for s in itertools.chain(self.waiting, self.running) if s.request.is_cancelled]
         for seq in dropped:
             self._finish(seq, "cancelled")
         return dropped
 
     def schedule(self) -> StepPlan:
-        """Plan the next step: every running sequence decodes, then waiting prompts are admitted."""
+        """Plan the next step (decodes, then prefill chunks, then new sequences)."""
         budget = self.settings.max_num_batched_tokens
-        scheduled: list[Sequence] = []
-        for seq in self.running:
-            scheduled.append(seq)
-            budget -= len(seq.next_input_token_ids())
-        while self.waiting and len(self.running) < self.settings.max_num_seqs:
-            head = self.waiting[0]
-            if len(head.next_input_token_ids()) > budget:
-                break
-            self.waiting.popleft()
-            head.status = SequenceStatus.RUNNING
-            self.running.append(head)
-            scheduled.append(head)
-            budget -= len(head.next_input_token_ids())
+        scheduled: dict[int, tuple[Sequence, int]] = {}
+        num_preempted = self._schedule_running(scheduled, budget)
+        budget -= sum(n for _, n in scheduled.values())
+        if not num_preempted:
+            self._schedule_waiting(scheduled, budget)
         step_id = next(self._step_ids)
-        inputs = [self._input_of(seq) for seq in scheduled]
-        for index, seq in enumerate(scheduled):
+        seqs = [seq for seq, _ in scheduled.values()]
+        inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
+        for index, seq in enumerate(seqs):
             seq.request.batches.append((step_id, index))
-        return StepPlan(step_id=step_id, forward=ForwardInput(inputs, self.take_released()), scheduled=scheduled)
+        forward = ForwardInput(inputs, self.take_released())
+        return StepPlan(step_id=step_id, forward=forward, scheduled=seqs, num_preempted=num_preempted)
+
+    def _schedule_running(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> int:
+        """Give running sequences their tokens, decodes first; preempt when blocks run out.
+        Returns how many sequences were preempted."""
+        num_preempted = 0
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if num_tokens == 0:
+                break
+            while not self.block_manager.can_append(seq.seq_id, seq.num_computed_tokens + num_tokens):
+                victim = self._pick_victim()
+                if victim.seq_id in scheduled:
+                    budget += scheduled.pop(victim.seq_id)[1]
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append(seq.seq_id, seq.num_computed_tokens + num_tokens)
+                scheduled[seq.seq_id] = (seq, num_tokens)
+                budget -= num_tokens
+        return num_preempted
+
+    def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> None:
+        """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow."""
+        manager = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
+            seq = self.waiting[0]
+            token_ids = seq.all_token_ids
+            num_cached = manager.num_cached_prefix_tokens(token_ids)
+            num_tokens = min(len(token_ids) - num_cached, budget)
+            if not manager.can_allocate(token_ids, num_cached + num_tokens):
+                break
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, token_ids, num_cached + num_tokens)
+            assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = (seq, num_tokens)
+            budget -= num_tokens
+
+    def _pick_victim(self) -> Sequence:
+        candidates = [(s.request.priority, s.seq_id) for s in self.running]
+        return self.running[pick_victim(candidates)]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it at the front of the waiting queue (recompute later)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.counters.num_preemptions += 1
 
     def postprocess(self, plan: StepPlan, output: ForwardOutput) -> list[Sequence]:
-        """Record computed tokens, append sampled ones, emit events; return finished sequences."""
+        """Record computed tokens, cache full blocks, append sampled tokens, emit events;
+        return the sequences that finished."""
         finished: list[Sequence] = []
         now = self.clock()
         for seq, seq_input in zip(plan.scheduled, plan.forward.sequences):
             seq.num_computed_tokens += len(seq_input.token_ids)
+            self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             token_id = output.sampled_token_ids.get(seq.seq_id)
             if token_id is None:
+                self.counters.num_chunked_prefills += 1
                 continue
             event = seq.append_token(token_id)
             seq.request.timeline.setdefault("first_token", now)
@@ -115,27 +207,29 @@ class Scheduler:
         return released
 
     def fail(self, seqs: list[Sequence]) -> None:
-        """Take failed sequences out of the queues and release their KV."""
+        """Take failed sequences out of the queues and free their blocks."""
         for seq in seqs:
             self._finish(seq, "error")
 
     def _finish(self, seq: Sequence, outcome: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._released.append(seq.seq_id)
-        elif seq.status is SequenceStatus.WAITING:
+            self.block_manager.free(seq.seq_id)
+        elif seq.is_waiting:
             self.waiting.remove(seq)
+        if seq.status is SequenceStatus.RUNNING or seq.num_preemptions:
+            self._released.append(seq.seq_id)  # the runner holds its sampler state
         seq.status = SequenceStatus.FINISHED
         seq.request.timeline["finished"] = self.clock()
         seq.request.info["outcome"] = outcome
 
-    def _input_of(self, seq: Sequence) -> SequenceInput:
-        token_ids = seq.next_input_token_ids()
+    def _input_of(self, seq: Sequence, num_tokens: int) -> SequenceInput:
+        token_ids = seq.next_input_token_ids(num_tokens)
         return SequenceInput(
             seq_id=seq.seq_id,
             token_ids=token_ids,
             position=seq.num_computed_tokens,
-            capacity_tokens=seq.capacity_tokens,
+            block_table=self.block_manager.block_table(seq.seq_id),
             do_sample=seq.num_computed_tokens + len(token_ids) >= seq.num_tokens,
             params=seq.request.params,
         )

@@ -14,6 +14,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its blocks freed; recomputes prompt + outputs when resumed
     FINISHED = "finished"
 
 
@@ -29,24 +30,38 @@ class Sequence:
         self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_preemptions = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self._detokenizer = detokenizer
         self._eos_token_ids = frozenset() if request.ignore_eos else eos_token_ids
 
     @property
-    def capacity_tokens(self) -> int:
+    def max_total_tokens(self) -> int:
         """The most tokens this sequence can reach: prompt + ``max_tokens``."""
         return len(self.prompt_token_ids) + self.request.max_tokens
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens known but not yet in the KV cache: 1 for a decode, more while prefilling."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs (a new list when there are outputs)."""
+        return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def next_input_token_ids(self) -> list[int]:
-        """The tokens not yet in the KV cache (whole prompt first, then the last sampled token)."""
-        all_ids = self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
-        return all_ids[self.num_computed_tokens :]
+    def next_input_token_ids(self, num_tokens: int) -> list[int]:
+        """The next ``num_tokens`` tokens not yet in the KV cache (a prompt chunk, or the last sampled token)."""
+        return self.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + num_tokens]
 
     def append_token(self, token_id: int) -> TokenEvent:
         """Add a sampled token, detect the end (EOS, stop string, ``max_tokens``), and return

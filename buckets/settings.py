@@ -21,7 +21,11 @@ class DynamicBatcherSettings:
 @dataclass(frozen=True)
 class ContinuousBatcherSettings:
     """Per-step budgets of the continuous batcher (vLLM's names): at most ``max_num_seqs``
-    running sequences and ``max_num_batched_tokens`` tokens (prefill + decode) in one forward."""
+    running sequences and ``max_num_batched_tokens`` tokens (prefill + decode) in one forward;
+    KV in blocks of ``block_size`` tokens, full blocks shared between prompts with a common
+    prefix when ``enable_prefix_caching``."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True

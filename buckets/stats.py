@@ -14,6 +14,11 @@ class BucketStats:
     ``max_batch_seqs`` the most requests in one forward;
     ``num_batched_tokens`` tokens computed (continuous) or padded input tokens (dynamic);
     ``num_padding_tokens`` padding inside dynamic batches.
+
+    Continuous batchers also report their KV pool (``kv_blocks_used`` of ``kv_blocks_total``,
+    blocks of ``kv_block_size`` tokens, ``kv_blocks_evictable`` of the free ones still holding
+    prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions, and prefill
+    chunks that left part of a prompt for a later step.
     """
 
     kind: str
@@ -28,10 +33,32 @@ class BucketStats:
     num_finished: int
     num_cancelled: int
     num_failed: int
+    kv_block_size: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_evictable: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0
 
     @property
     def mean_batch_seqs(self) -> float:
         return self.num_batch_seqs_total / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return self.num_batched_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit blocks over looked-up blocks (0.0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the pool's blocks held by sequences (0.0 without a pool)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 @dataclass
@@ -56,5 +83,6 @@ class Counters:
         self.num_batched_tokens += num_tokens
         self.num_padding_tokens += num_padding_tokens
 
-    def snapshot(self, kind: str, num_waiting: int, num_running: int) -> BucketStats:
-        return BucketStats(kind=kind, num_waiting=num_waiting, num_running=num_running, **self.__dict__)
+    def snapshot(self, kind: str, num_waiting: int, num_running: int, **extra: int) -> BucketStats:
+        """A frozen copy of the counters plus the queue state (and ``extra`` :class:`BucketStats` fields)."""
+        return BucketStats(kind=kind, num_waiting=num_waiting, num_running=num_running, **self.__dict__, **extra)

@@ -13,6 +13,7 @@ from litestar import Litestar, Request, get
 from litestar.exceptions import HTTPException
 from litestar.response import Response
 
+from buckets.bucket import Bucket
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import APIError
@@ -48,8 +49,19 @@ async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Per-model, per-bucket snapshots of the batchers' counters and queues (JSON)."""
     engine: Engine = request.app.state.engine
     return {
-        name: {b.name: {**asdict(b.stats()), "max_input_tokens": b.max_input_tokens} for b in served.table.buckets}
-        for name, served in engine.models.items()
+        name: {b.name: _bucket_stats(b) for b in served.table.buckets} for name, served in engine.models.items()
+    }
+
+
+def _bucket_stats(bucket: Bucket) -> dict[str, Any]:
+    snapshot = bucket.stats()
+    return {
+        **asdict(snapshot),
+        "max_input_tokens": bucket.max_input_tokens,
+        "mean_batch_seqs": snapshot.mean_batch_seqs,
+        "mean_tokens_per_step": snapshot.mean_tokens_per_step,
+        "kv_usage": snapshot.kv_usage,
+        "prefix_cache_hit_rate": snapshot.prefix_cache_hit_rate,
     }
 
 

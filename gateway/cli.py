@@ -1,10 +1,15 @@
-"""The ``sluice`` command: ``sluice serve`` and ``sluice bench engine``."""
+"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from models.kv_plan import KVSource
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -28,6 +33,81 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory_size(text: str) -> int:
+    from models.kv_plan import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _kv_model(args: argparse.Namespace) -> tuple[str, str | None, KVSource]:
+    """The name, configured dtype and KV geometry ``--model`` names: a local path if one exists,
+    else a generate model of ``--config``.
+
+    Raises:
+        ConfigError, ModelSourceError, ValueError: the config, the model or its files are unusable.
+    """
+    from gateway.config import load_config
+    from models.kv_plan import read_kv_source
+    from models.source import default_cache_dir
+
+    if Path(args.model).expanduser().exists():
+        return args.model, None, read_kv_source(args.model, default_cache_dir())
+    config = load_config(args.config)
+    models = {m.name: m for m in config.models}
+    model = models.get(args.model)
+    if model is None:
+        known = ", ".join(models)
+        raise ValueError(f"--model: {args.model!r} is neither a path nor a model of {args.config} ({known})")
+    if model.task != "generate":
+        raise ValueError(f"--model: {args.model!r} has task {model.task!r}; only generate models keep a KV cache")
+    cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
+    return model.name, model.dtype, read_kv_source(model.source, cache_dir)
+
+
+def _kv_plan(args: argparse.Namespace) -> int:
+    from gateway.errors import ConfigError
+    from models.errors import ModelSourceError
+    from models.kv_plan import DTYPE_BYTES, plan_kv_cache, plan_rows
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        name, dtype, kv = _kv_model(args)
+    except (ConfigError, ModelSourceError, ValueError) as exc:
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+    dtype = args.dtype or dtype or kv.dtype or "float32"
+    if dtype not in DTYPE_BYTES:
+        known = ", ".join(DTYPE_BYTES)
+        print(f"sluice: the model's dtype {dtype!r} is not one of {known}; pass --dtype", file=sys.stderr)
+        return 2
+    shape = kv.shape
+    plan = plan_kv_cache(shape, DTYPE_BYTES[dtype], args.memory, args.block_size, args.seq_len)
+    rows = [
+        ("model", name),
+        ("read from", kv.origin),
+        ("kv shape", f"{shape.num_layers} layers x {shape.num_kv_heads} kv heads x {shape.head_dim} head dim"),
+        ("dtype", f"{dtype} ({DTYPE_BYTES[dtype]} bytes)"),
+        *plan_rows(plan, args.num_seqs),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice inference serving gateway")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine_bench.add_arguments(engine)
     engine.set_defaults(func=engine_bench.run)
+    kv_plan = commands.add_parser("kv-plan", help="how many KV blocks, tokens and sequences fit in a memory budget")
+    kv_plan.add_argument("--model", required=True, help="a model of the config file, or a model folder or .gguf file")
+    kv_plan.add_argument("--memory", type=_memory_size, default="8GiB", help="bytes or 8GiB, 512MiB, 1.5GB (default 8GiB)")
+    kv_plan.add_argument("--seq-len", type=_positive_int, default=1024, help="tokens per sequence (default 1024)")
+    kv_plan.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    kv_plan.add_argument("--num-seqs", type=_positive_int, help="also show the memory this many sequences need")
+    kv_plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="KV dtype (default: the model's)")
+    kv_plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    kv_plan.set_defaults(func=_kv_plan)
     return parser
 
 

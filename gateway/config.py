@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.errors import ConfigError
 
@@ -28,6 +28,9 @@ class SliceConfig(_Strict):
     name: str = Field(min_length=1)
     device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
     num_threads: int = Field(default=1, ge=1, le=512)
+    # Memory for the KV pools of the continuous buckets placed here ("2GiB", "512MiB" or bytes);
+    # unset: 2 GiB on a CPU, half the device's memory on a GPU.
+    kv_cache_memory_bytes: ByteSize | None = Field(default=None, gt=0)
 
 
 class DynamicBatcherConfig(_Strict):
@@ -44,6 +47,21 @@ class ContinuousBatcherConfig(_Strict):
     kind: Literal["continuous"]
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    block_size: int = Field(default=16, ge=1, le=1024)
+    enable_prefix_caching: bool = True
+    # This bucket's KV pool: explicit bytes, or a fraction of its slice's kv_cache_memory_bytes;
+    # neither: an equal share of what the slice's other buckets leave.
+    kv_cache_memory_bytes: ByteSize | None = Field(default=None, gt=0)
+    kv_cache_memory_fraction: float | None = Field(default=None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "ContinuousBatcherConfig":
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError(
+                "kv_cache_memory_fraction: set kv_cache_memory_bytes or kv_cache_memory_fraction, not both "
+                f"({self.kv_cache_memory_bytes}, {self.kv_cache_memory_fraction})"
+            )
+        return self
 
 
 BatcherConfig = Annotated[DynamicBatcherConfig | ContinuousBatcherConfig, Field(discriminator="kind")]
@@ -91,11 +109,6 @@ class ModelConfig(_Strict):
                     f"buckets.{i}.batcher.max_num_batched_tokens: {b.batcher.max_num_batched_tokens} is below "
                     f"max_num_seqs {b.batcher.max_num_seqs}; every running sequence decodes one token per step"
                 )
-            if isinstance(b.batcher, ContinuousBatcherConfig) and b.batcher.max_num_batched_tokens < b.max_input_tokens:
-                raise ValueError(
-                    f"buckets.{i}.batcher.max_num_batched_tokens: {b.batcher.max_num_batched_tokens} is below the "
-                    f"bucket's max_input_tokens {b.max_input_tokens}; a whole prompt must fit in one step"
-                )
         return self
 
 
@@ -118,7 +131,23 @@ class GatewayConfig(_Strict):
             for j, bucket in enumerate(model.buckets):
                 if bucket.slice not in slice_names:
                     raise ValueError(f"models.{i}.buckets.{j}.slice: unknown slice {bucket.slice!r}; known: {slice_names}")
+        for index, slice_config in enumerate(self.slices):
+            fractions = [b.batcher.kv_cache_memory_fraction or 0.0 for b in self.continuous_buckets(slice_config.name)]
+            if sum(fractions) > 1.0 + 1e-9:
+                raise ValueError(
+                    f"slices.{index}.kv_cache_memory_bytes: the kv_cache_memory_fraction of its buckets add up to "
+                    f"more than 1 ({sum(fractions):g})"
+                )
         return self
+
+    def continuous_buckets(self, slice_name: str) -> list[BucketConfig]:
+        """The continuous buckets (of every model) placed on slice ``slice_name``, in file order."""
+        return [
+            b
+            for m in self.models
+            for b in m.buckets
+            if b.slice == slice_name and isinstance(b.batcher, ContinuousBatcherConfig)
+        ]
 
 
 def parse_config(data: object, origin: str = "<config>") -> GatewayConfig:

@@ -12,11 +12,53 @@ from buckets.continuous import ContinuousBatcher
 from buckets.device_slice import DeviceSlice
 from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
+from gateway.errors import ConfigError
 from gateway.config import BucketConfig, ContinuousBatcherConfig, GatewayConfig, ModelConfig
 from models.loader import LoadedModel, load_model
 from models.source import default_cache_dir
 
 log = structlog.get_logger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
+DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION = 0.5
+
+
+def default_kv_cache_memory_bytes(device: str) -> int:
+    """A slice's KV budget when its config sets none: 2 GiB on a CPU, half the GPU's memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION)
+    return DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
+
+
+def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dict[tuple[str, str], int]:
+    """Each continuous bucket's KV pool in bytes, keyed by ``(model name, bucket name)``.
+
+    On each slice, explicit ``kv_cache_memory_bytes`` come first, then fractions of the slice's
+    budget; buckets with neither share what is left equally.
+
+    Raises:
+        ConfigError: a slice's buckets ask for more than its budget.
+    """
+    shares: dict[tuple[str, str], int] = {}
+    for slice_name, budget in slice_budgets.items():
+        owners = [(m.name, b) for m in config.models for b in m.buckets if b in config.continuous_buckets(slice_name)]
+        fixed = {
+            (name, b.bucket_name): int(b.batcher.kv_cache_memory_bytes or budget * (b.batcher.kv_cache_memory_fraction or 0))
+            for name, b in owners
+            if b.batcher.kv_cache_memory_bytes or b.batcher.kv_cache_memory_fraction  # type: ignore[union-attr]
+        }
+        left = budget - sum(fixed.values())
+        rest = [(name, b.bucket_name) for name, b in owners if (name, b.bucket_name) not in fixed]
+        if left < 0 or (rest and left == 0):
+            raise ConfigError(
+                f"slice {slice_name!r}: its continuous buckets ask for {sum(fixed.values())} bytes of KV memory, "
+                f"its kv_cache_memory_bytes is {budget}"
+            )
+        shares.update(fixed)
+        shares.update({key: left // len(rest) for key in rest})
+    return shares
 
 
 @dataclass
@@ -40,6 +82,10 @@ class Engine:
         self.cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
         self.slices = {s.name: DeviceSlice(s.name, s.device, s.num_threads) for s in config.slices}
         self.models: dict[str, ServedModel] = {}
+        self.kv_memory_bytes = split_kv_memory(
+            config,
+            {s.name: int(s.kv_cache_memory_bytes or default_kv_cache_memory_bytes(s.device)) for s in config.slices},
+        )
 
     def start(self) -> None:
         for model_config in self.config.models:
@@ -66,12 +112,28 @@ class Engine:
         if isinstance(config.batcher, ContinuousBatcherConfig):
             from models.causal_lm import CausalLMRunner
 
-            settings = ContinuousBatcherSettings(config.batcher.max_num_seqs, config.batcher.max_num_batched_tokens)
-            batcher = ContinuousBatcher(CausalLMRunner(loaded.model), settings, loaded.tokenizer, loaded.eos_token_ids)
+            knobs = config.batcher
+            settings = ContinuousBatcherSettings(
+                knobs.max_num_seqs, knobs.max_num_batched_tokens, knobs.block_size, knobs.enable_prefix_caching
+            )
+            memory_bytes = self.kv_memory_bytes[(model.name, config.bucket_name)]
+            num_blocks = loaded.kv_shape().num_blocks_for(memory_bytes, knobs.block_size, loaded.dtype_bytes)
+            if num_blocks < 1:
+                raise ConfigError(
+                    f"models.{model.name}.buckets.{config.bucket_name}: {memory_bytes} bytes of KV memory hold no "
+                    f"block of {knobs.block_size} tokens"
+                )
+            runner = CausalLMRunner(loaded.model, num_blocks, knobs.block_size)
+            batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
+            log.info(
+                "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
+                block_size=knobs.block_size, kv_cache_bytes=runner.kv_cache.nbytes,
+            )
         else:
             from models.encoder import EmbeddingRunner
 
             pad_id = loaded.tokenizer.pad_token_id or 0
             runner = EmbeddingRunner(loaded.model, pad_id, loaded.folder)
             batcher = DynamicBatcher(runner, DynamicBatcherSettings(config.batcher.max_batch_size, config.batcher.max_queue_delay_ms))
-        return Bucket(config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice)
+        max_seq_tokens = batcher.max_seq_tokens if isinstance(batcher, ContinuousBatcher) else None
+        return Bucket(config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens)

@@ -47,8 +47,9 @@ class Router:
         """The bucket for a prompt of ``num_prompt_tokens`` that may grow by ``max_tokens``.
 
         Raises:
-            APIError: 400 when the prompt exceeds the largest bucket or the total exceeds
-            ``max_model_len``; both messages name the limit.
+            APIError: 400 when the prompt exceeds the largest bucket, the total exceeds
+            ``max_model_len``, or the total needs more KV than the bucket's whole pool; each
+            message names the limit.
         """
         max_model_len = served.config.max_model_len
         if num_prompt_tokens + max_tokens > max_model_len:
@@ -65,6 +66,13 @@ class Router:
                 f"takes at most {served.table.max_input_tokens} input tokens",
                 param=param,
                 code="prompt_too_long",
+            )
+        if bucket.max_seq_tokens is not None and num_prompt_tokens + max_tokens > bucket.max_seq_tokens:
+            raise invalid_request(
+                f"The prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV cache than "
+                f"bucket '{bucket.name}' of '{served.config.name}' holds: {bucket.max_seq_tokens} tokens",
+                param="max_tokens",
+                code="kv_cache_capacity_exceeded",
             )
         return bucket
 

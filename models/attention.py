@@ -1,13 +1,20 @@
-"""Packed attention for Hugging Face decoders: many sequences' tokens in one forward, no padding.
+"""Packed paged attention for Hugging Face decoders: many sequences' tokens in one forward, no padding.
 
 The runner calls the model's decoder with ``input_ids`` of shape ``[1, T]`` holding the new
 tokens of every scheduled sequence back to back, their absolute ``position_ids`` (so RoPE is
 right), and a :class:`PackedStep` as the keyword ``sluice_step``. Hugging Face passes that keyword
-down to the registered attention function, which writes each segment's new K/V into the
-sequence's own cache and attends over that sequence's cached prefix only.
+down to the registered attention function, which, per layer:
 
-Without ``sluice_step`` (for example ``model.generate`` on the same model) the function is plain
-SDPA attention, so the model stays usable as a reference.
+1. writes all T new K/V rows into the paged pool with one indexed copy (``slot_mapping``);
+2. attends the *decode* rows (segments of one token) in one call of
+   :func:`models.paged_attention.paged_decode_attention`, which reads K/V through block tables;
+3. attends each *prefill* segment (a prompt or a prompt chunk) with SDPA: over its own fresh
+   K/V when it starts at position 0, else over its prefix gathered from its blocks
+   (a chunk after earlier chunks, or after blocks reused from the prefix cache).
+
+Decode segments come first in the packed input (the scheduler orders them so), which lets step 2
+use a slice instead of an index. Without ``sluice_step`` (for example ``model.generate`` on the
+same model) the function is plain SDPA attention, so the model stays usable as a reference.
 """
 
 from __future__ import annotations
@@ -18,30 +25,48 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from models.kv_cache import SequenceKVCache
+from models.kv_cache import PagedKVCache
+from models.paged_attention import paged_decode_attention
 
 ATTENTION_NAME = "sluice_packed"
 
 
 @dataclass(frozen=True)
-class Segment:
-    """One sequence's slice of a packed step.
+class PrefillSegment:
+    """One sequence's prefill chunk in a packed step.
 
-    ``start`` and ``num_tokens`` locate its new tokens in the packed ``[1, T]`` input;
-    ``position`` is the absolute position of the first of them (tokens already in ``kv``).
+    ``start`` and ``num_tokens`` locate its tokens in the packed ``[1, T]`` input; ``position`` is
+    the absolute position of the first of them (tokens before it are already in the pool);
+    ``block_ids`` ``[num_blocks_of_seq]`` (int64) is the sequence's block table, used only when
+    ``position > 0``.
     """
 
     start: int
     num_tokens: int
     position: int
-    kv: SequenceKVCache
+    block_ids: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class PackedStep:
-    """Everything the attention function needs for one packed forward."""
+    """Everything the attention function needs for one packed forward.
 
-    segments: list[Segment]
+    Fields:
+        kv_cache: the bucket's block pool.
+        slot_mapping: ``[T]`` int64, the flat pool slot of every packed token.
+        num_decode_tokens: the first ``num_decode_tokens`` packed tokens are single-token segments
+            (one per sequence).
+        block_tables: ``[num_decode_tokens, max_blocks]`` int32 block tables of those sequences.
+        context_lens: ``[num_decode_tokens]`` int32, each one's tokens in the pool after this write.
+        prefills: the remaining segments, in packed order.
+    """
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    prefills: list[PrefillSegment]
 
 
 def packed_attention(
@@ -54,7 +79,7 @@ def packed_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over per-sequence caches.
+    """Attention over the paged pool.
 
     Args:
         query: ``[1, num_heads, T, head_dim]``; key, value: ``[1, num_kv_heads, T, head_dim]``,
@@ -68,29 +93,39 @@ def packed_attention(
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layer = module.layer_idx
-    key_value = torch.stack((key[0], value[0]))  # [2, num_kv_heads, T, head_dim]
-    outputs = []
-    for seg in step.segments:
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    step.kv_cache.write(layer, step.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, num_heads, head_dim]
+    num_decode = step.num_decode_tokens
+    if num_decode:
+        out[:num_decode] = paged_decode_attention(
+            query[0, :, :num_decode].transpose(0, 1).contiguous(),
+            step.kv_cache.key_cache(layer),
+            step.kv_cache.value_cache(layer),
+            step.block_tables,
+            step.context_lens,
+            scale,
+        )
+    for seg in step.prefills:
         end = seg.start + seg.num_tokens
-        seg.kv.write(layer, seg.position, key_value[:, :, seg.start : end])
-        k, v = seg.kv.view(layer, seg.position + seg.num_tokens)
-        q = query[:, :, seg.start : end]
-        outputs.append(_attend(q, k, v, seg.position, scaling))
-    out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-    return out.transpose(1, 2).contiguous(), None
+        if seg.position == 0:
+            k, v = key[:, :, seg.start : end], value[:, :, seg.start : end]
+        else:
+            assert seg.block_ids is not None, "a chunk after a prefix needs its block table"
+            k, v = step.kv_cache.gather(layer, seg.block_ids, seg.position + seg.num_tokens)
+        out[seg.start : end] = _attend(query[:, :, seg.start : end], k, v, seg.position, scale)[0].transpose(0, 1)
+    return out.unsqueeze(0), None
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, scaling: float | None) -> torch.Tensor:
-    """Causal attention of ``q`` (``[1, H, n, D]``, first query at ``position``) over ``k``/``v``."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, scale: float) -> torch.Tensor:
+    """Causal attention of ``q`` (``[1, H, n, D]``, first query at ``position``) over ``k``/``v``
+    (``[1, H_kv, position + n, D]``): query i sees keys ``0 .. position + i``."""
     n = q.shape[2]
-    if n == 1:
-        return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True)
     if position == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-    # A chunk after a cached prefix: query i sees keys 0 .. position + i (bottom-right causal).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, scale=scale, enable_gqa=True)
     q_pos = torch.arange(position, position + n, device=q.device).unsqueeze(1)
     k_pos = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scaling, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True)
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

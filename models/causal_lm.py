@@ -1,50 +1,52 @@
-"""The generation model runner: one packed forward per step, then sampling.
+"""The generation model runner: one packed forward per step over the paged KV pool, then sampling.
 
-The runner owns tensors only: each live sequence's KV storage and sampler state. It never
-changes queues; the scheduler tells it which sequences run and which were released.
+The runner owns tensors only: the bucket's KV pool (:class:`models.kv_cache.PagedKVCache`) and
+each live sequence's sampler state. It never changes queues or block tables; the scheduler tells
+it which sequences run, with which blocks, and which were released.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
 
-from models.attention import PackedStep, Segment
-from models.kv_cache import KVShape, SequenceKVCache
+from models.attention import PackedStep, PrefillSegment
+from models.kv_cache import KVShape, PagedKVCache
+from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
 from models.step_io import ForwardInput, ForwardOutput, SequenceInput
-
-
-class _LiveSequence:
-    __slots__ = ("kv", "generator")
-
-    def __init__(self, kv: SequenceKVCache, generator: torch.Generator):
-        self.kv = kv
-        self.generator = generator
 
 
 class CausalLMRunner:
     """Runs steps of a Hugging Face decoder loaded with :data:`models.attention.ATTENTION_NAME`.
 
+    Args:
+        model: the decoder (Llama family: Llama, Qwen2, Mistral, SmolLM2, ...).
+        num_blocks: blocks in the KV pool (see :meth:`KVShape.num_blocks_for`).
+        block_size: tokens per block.
+
     Called only from the bucket's worker thread, once per step, through :meth:`run`.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, num_blocks: int, block_size: int):
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
         self.kv_shape = KVShape.from_config(model.config)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self._live: dict[int, _LiveSequence] = {}
+        self.kv_cache = PagedKVCache(self.kv_shape, num_blocks, block_size, self.dtype, self.device)
+        # Build (first start on a machine: ~30 s) or load the decode kernel now, not in a request.
+        self.uses_compiled_kernel = compiled_kernel_available()
+        self._generators: dict[int, torch.Generator] = {}
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         self._dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     @property
     def num_live_sequences(self) -> int:
-        return len(self._live)
+        """Sequences with sampler state (running or preempted, not yet released)."""
+        return len(self._generators)
 
     @torch.inference_mode()
     def run(self, batch: ForwardInput) -> ForwardOutput:
@@ -53,27 +55,30 @@ class CausalLMRunner:
         Returns the sampled token for every sequence with ``do_sample``.
         """
         for seq_id in batch.released_seq_ids:
-            self._live.pop(seq_id, None)
+            self._generators.pop(seq_id, None)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
-        hidden = self._forward(batch.sequences)
-        sampling = [(i, s) for i, s in enumerate(batch.sequences) if s.do_sample]
+        # Single-token segments (decodes) go first: attention runs them in one paged call.
+        ordered = sorted(batch.sequences, key=lambda s: len(s.token_ids) != 1)
+        hidden = self._forward(ordered)
+        rows, sampling, end = [], [], 0
+        for seq in ordered:
+            end += len(seq.token_ids)
+            if seq.do_sample:
+                rows.append(end - 1)
+                sampling.append(seq)
         if not sampling:
             return ForwardOutput(sampled_token_ids={})
-        offsets = list(itertools.accumulate(len(s.token_ids) for s in batch.sequences))
-        ends = torch.tensor([offsets[i] - 1 for i, _ in sampling], device=self.device)
-        logits = self.lm_head(hidden[0, ends]).float()
-        tokens = sample(logits, [s.params for _, s in sampling], [self._live[s.seq_id].generator for _, s in sampling])
-        return ForwardOutput(sampled_token_ids={s.seq_id: t for (_, s), t in zip(sampling, tokens)})
+        logits = self.lm_head(hidden[0, torch.tensor(rows, device=self.device)]).float()
+        generators = [self._generator(s) for s in sampling]
+        tokens = sample(logits, [s.params for s in sampling], generators)
+        return ForwardOutput(sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)})
 
     def _forward(self, sequences: list[SequenceInput]) -> torch.Tensor:
         """The decoder's last hidden states for the packed tokens: ``[1, T, hidden_size]``."""
         token_ids: list[int] = []
         positions: list[int] = []
-        segments: list[Segment] = []
         for seq in sequences:
-            live = self._live.get(seq.seq_id) or self._admit(seq)
-            segments.append(Segment(start=len(token_ids), num_tokens=len(seq.token_ids), position=seq.position, kv=live.kv))
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.position, seq.position + len(seq.token_ids)))
         out = self.decoder(
@@ -81,14 +86,40 @@ class CausalLMRunner:
             position_ids=torch.tensor([positions], device=self.device),
             attention_mask=self._dummy_mask,
             use_cache=False,
-            sluice_step=PackedStep(segments=segments),
+            sluice_step=self._packed_step(sequences),
         )
         return out.last_hidden_state
 
-    def _admit(self, seq: SequenceInput) -> _LiveSequence:
-        live = _LiveSequence(
-            kv=SequenceKVCache(self.kv_shape, seq.capacity_tokens, self.dtype, self.device),
-            generator=make_generator(seq.params, self.device),
+    def _packed_step(self, sequences: list[SequenceInput]) -> PackedStep:
+        """Slot mapping, decode block tables and prefill segments of ``sequences`` (decodes first)."""
+        block_size = self.kv_cache.block_size
+        slots: list[int] = []
+        decodes = [s for s in sequences if len(s.token_ids) == 1]
+        prefills: list[PrefillSegment] = []
+        start = 0
+        for seq in sequences:
+            table = seq.block_table
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(seq.position, seq.position + len(seq.token_ids)))
+            if len(seq.token_ids) > 1:
+                block_ids = torch.tensor(table, device=self.device) if seq.position > 0 else None
+                prefills.append(PrefillSegment(start, len(seq.token_ids), seq.position, block_ids))
+            start += len(seq.token_ids)
+        max_blocks = max((len(s.block_table) for s in decodes), default=0)
+        block_tables = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], dtype=torch.int32, device=self.device
+        ).reshape(len(decodes), max_blocks)
+        context_lens = torch.tensor([s.position + 1 for s in decodes], dtype=torch.int32, device=self.device)
+        return PackedStep(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            num_decode_tokens=len(decodes),
+            block_tables=block_tables,
+            context_lens=context_lens,
+            prefills=prefills,
         )
-        self._live[seq.seq_id] = live
-        return live
+
+    def _generator(self, seq: SequenceInput) -> torch.Generator:
+        generator = self._generators.get(seq.seq_id)
+        if generator is None:
+            generator = self._generators[seq.seq_id] = make_generator(seq.params, self.device)
+        return generator

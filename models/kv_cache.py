@@ -1,10 +1,13 @@
-"""Per-sequence KV storage for the packed attention path.
+"""Paged KV storage: every layer's K and V in fixed-size blocks, addressed through block tables.
 
-Each running sequence owns one preallocated tensor of shape
-``[num_layers, 2, num_kv_heads, capacity_tokens, head_dim]`` (index 0 of dim 1 is K, 1 is V),
-sized for its prompt plus its ``max_tokens``, so a step only writes the new positions in place.
-Bytes per token follow the usual formula ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``.
-The paged block cache replaces this storage behind the same attention function.
+One preallocated tensor of shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 of dim 1 is K, 1 is V) holds the KV of every sequence of a bucket. A sequence's token at
+position ``p`` lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; its flat
+*slot* is ``block_id * block_size + p % block_size``. Which blocks belong to whom is integer
+bookkeeping in :class:`buckets.block_manager.BlockManager`; this module only holds the tensors.
+
+Bytes per token follow the usual formula ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``
+(K and V, every layer), so a block costs ``block_size`` times that.
 """
 
 from __future__ import annotations
@@ -34,29 +37,62 @@ class KVShape:
         """KV bytes one token occupies: ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def num_blocks_for(self, memory_bytes: int, block_size: int, dtype_bytes: int) -> int:
+        """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` (rounded down)."""
+        return memory_bytes // (block_size * self.bytes_per_token(dtype_bytes))
 
-class SequenceKVCache:
-    """The KV tensor of one sequence, written in place as tokens are computed.
+
+class PagedKVCache:
+    """The block pool's tensors for one bucket.
 
     Args:
         shape: the model's KV geometry.
-        capacity_tokens: the most positions this sequence can hold (prompt + max new tokens).
-        dtype, device: of the tensor.
+        num_blocks: blocks in the pool (see :meth:`KVShape.num_blocks_for`).
+        block_size: tokens per block.
+        dtype, device: of the storage (the model's dtype and the slice's device).
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` below 1.
     """
 
-    def __init__(self, shape: KVShape, capacity_tokens: int, dtype: torch.dtype, device: torch.device | str):
-        self.capacity_tokens = capacity_tokens
-        self.data = torch.empty(
-            (shape.num_layers, 2, shape.num_kv_heads, capacity_tokens, shape.head_dim), dtype=dtype, device=device
+    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(
+            (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim), dtype=dtype, device=device
         )
+        # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]: slots in one flat dim.
+        self._slots = self.data.view(shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
 
-    def write(self, layer: int, start: int, key_value: torch.Tensor) -> None:
-        """Store K and V stacked as ``[2, num_kv_heads, n, head_dim]`` at positions ``start .. start+n``
-        (one copy for both, which matters when a step writes thousands of small segments)."""
-        end = start + key_value.shape[2]
-        assert end <= self.capacity_tokens, "KV write past the sequence's capacity"
-        self.data[layer, :, :, start:end] = key_value
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (allocated once, at construction)."""
+        return self.data.numel() * self.data.element_size()
 
-    def view(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first ``length`` positions, each ``[1, num_kv_heads, length, head_dim]``."""
-        return self.data[layer, 0, :, :length].unsqueeze(0), self.data[layer, 1, :, :length].unsqueeze(0)
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, block_size, num_kv_heads, head_dim]`` K of ``layer`` (a view)."""
+        return self.data[layer, 0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, block_size, num_kv_heads, head_dim]`` V of ``layer`` (a view)."""
+        return self.data[layer, 1]
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store new tokens' K and V: ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at flat
+        ``slots`` ``[T]`` (int64). One copy per tensor for the whole step."""
+        self._slots[layer, 0].index_copy_(0, slots, key)
+        self._slots[layer, 1].index_copy_(0, slots, value)
+
+    def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a sequence's first ``num_tokens`` positions, each ``[1, num_kv_heads, num_tokens, head_dim]``
+        (a copy), given its block table ``block_ids`` ``[num_blocks_of_seq]`` (int64)."""
+        kv = self.data[layer].index_select(1, block_ids)  # [2, n, block_size, H, D]
+        kv = kv.flatten(1, 2)[:, :num_tokens]  # [2, num_tokens, H, D]
+        return kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from models.kv_cache import KVShape
 from models.source import model_folder
 
 Task = Literal["generate", "embed"]
@@ -30,6 +31,15 @@ class LoadedModel:
     device: str
     eos_token_ids: frozenset[int]
     load_s: float
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the weights (and of the KV cache, which uses the same dtype)."""
+        return next(self.model.parameters()).element_size()
+
+    def kv_shape(self) -> KVShape:
+        """The decoder's KV geometry (generation models only)."""
+        return KVShape.from_config(self.model.config)
 
 
 def load_model(name: str, source: str, task: Task, dtype: str, device: str, cache_dir: Path) -> LoadedModel:
@@ -59,7 +69,9 @@ def load_model(name: str, source: str, task: Task, dtype: str, device: str, cach
     model.to(device).eval()
     if task == "generate":
         from models.cpu_linear import prepack_linears
+        from models.fused_norm import fuse_rms_norms
 
+        fuse_rms_norms(model)
         prepack_linears(model)
     return LoadedModel(
         name=name,

@@ -33,7 +33,7 @@ class SequenceInput:
             sampled token for a decode).
         position: how many of the sequence's tokens are already in its KV cache; the first of
             ``token_ids`` sits at this absolute position.
-        capacity_tokens: prompt + max new tokens; sizes the KV storage on the sequence's first step.
+        block_table: the sequence's KV block ids, enough to hold ``position + len(token_ids)`` tokens.
         do_sample: whether to sample a next token after this step (false for a non-final prefill chunk).
         params: sampling parameters.
     """
@@ -41,7 +41,7 @@ class SequenceInput:
     seq_id: int
     token_ids: list[int]
     position: int
-    capacity_tokens: int
+    block_table: list[int]
     do_sample: bool
     params: SamplingParams
 
@@ -51,7 +51,8 @@ class ForwardInput:
     """The runner's whole input for one step.
 
     ``sequences`` run packed in one forward. ``released_seq_ids`` are sequences that ended since
-    the last step: the runner drops their KV storage and sampler state before running.
+    the last step: the runner drops their sampler state before running (their KV blocks are
+    already back in the block manager's pool; the runner never owns blocks).
     """
 
     sequences: list[SequenceInput]

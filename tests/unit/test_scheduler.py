@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
+from buckets.block_manager import BlockManager
 from buckets.continuous import ContinuousBatcher
-from buckets.errors import BatchFailedError, ShuttingDownError
+from buckets.errors import BatchFailedError, KVCapacityError, ShuttingDownError
 from buckets.request import ErrorEvent, GenerationRequest, RequestEvent, TokenEvent
 from buckets.scheduler import Scheduler, StepPlan
 from buckets.sequence import Sequence, SequenceStatus
@@ -51,11 +56,18 @@ class Recorder:
 
 
 def make_request(
-    prompt_len: int = 4, max_tokens: int = 4, stop: tuple[str, ...] = (), ignore_eos: bool = False, name: str = "r"
+    prompt_len: int = 4,
+    max_tokens: int = 4,
+    stop: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    name: str = "r",
+    priority: int = 0,
+    first_token: int = 1,
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=name,
-        prompt_token_ids=list(range(1, prompt_len + 1)),
+        priority=priority,
+        prompt_token_ids=list(range(first_token, first_token + prompt_len)),
         sink=Recorder(),
         max_tokens=max_tokens,
         stop=stop,
@@ -68,9 +80,15 @@ def make_sequence(request: GenerationRequest, tokenizer: FakeTokenizer | None = 
     return Sequence(request, detokenizer, frozenset({EOS}))
 
 
-def make_scheduler(max_num_seqs: int = 4, max_num_batched_tokens: int = 64) -> Scheduler:
-    settings = ContinuousBatcherSettings(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(settings, FakeClock())
+def make_scheduler(
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 64,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    enable_prefix_caching: bool = True,
+) -> Scheduler:
+    settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching)
+    return Scheduler(settings, BlockManager(num_blocks, block_size, enable_prefix_caching), FakeClock())
 
 
 def add_sequences(scheduler: Scheduler, *prompt_lens: int, max_tokens: int = 4) -> list[Sequence]:
@@ -109,7 +127,7 @@ def test_first_step_prefills_the_whole_prompt() -> None:
     assert inp.token_ids == [1, 2, 3, 4, 5]
     assert inp.position == 0
     assert inp.do_sample
-    assert inp.capacity_tokens == 5 + 4
+    assert len(inp.block_table) == 2  # 5 tokens in blocks of 4
     assert seq.status is SequenceStatus.RUNNING
 
 
@@ -129,12 +147,14 @@ def test_prompts_are_admitted_while_the_token_budget_allows() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=10)
     a, b, c = add_sequences(scheduler, 4, 4, 4)
     plan, _ = run_step(scheduler)
-    assert plan.scheduled == [a, b]  # 8 tokens; a third prompt of 4 would make 12
-    assert plan.forward.num_tokens == 8
-    assert list(scheduler.waiting) == [c]
+    # 4 + 4 tokens, then c's first chunk takes the 2 left.
+    assert plan.scheduled == [a, b, c]
+    assert [len(s.token_ids) for s in plan.forward.sequences] == [4, 4, 2]
+    assert [s.do_sample for s in plan.forward.sequences] == [True, True, False]
     plan, _ = run_step(scheduler)
-    assert plan.scheduled == [a, b, c]  # 2 decode tokens + 4 prompt tokens
-    assert plan.forward.num_tokens == 6
+    assert plan.scheduled == [a, b, c]  # 2 decode tokens + c's last 2 prompt tokens
+    assert plan.forward.sequences[2].token_ids == [3, 4] and plan.forward.sequences[2].position == 2
+    assert plan.forward.num_tokens == 4
 
 
 def test_a_prompt_exactly_filling_the_budget_is_admitted() -> None:
@@ -142,15 +162,16 @@ def test_a_prompt_exactly_filling_the_budget_is_admitted() -> None:
     a, b = add_sequences(scheduler, 5, 3)
     plan = scheduler.schedule()
     assert plan.scheduled == [a, b]
+    assert scheduler.counters.num_chunked_prefills == 0
 
 
-def test_head_of_line_prompt_blocks_later_ones_fcfs() -> None:
+def test_no_budget_left_keeps_later_prompts_waiting_fcfs() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=10)
     a, b, c = add_sequences(scheduler, 6, 6, 1)
     plan = scheduler.schedule()
-    # c would fit in the 4 tokens left, but b is first in line and does not.
-    assert plan.scheduled == [a]
-    assert list(scheduler.waiting) == [b, c]
+    # b's first chunk takes the 4 tokens left; c, behind it, waits.
+    assert plan.scheduled == [a, b]
+    assert list(scheduler.waiting) == [c]
 
 
 def test_max_num_seqs_bounds_the_running_set() -> None:
@@ -311,15 +332,18 @@ def test_fail_takes_sequences_out_and_releases_running_ones() -> None:
 
 
 class FakeRunner:
-    """Tracks live sequences like the real runner's KV storage; samples ``token_id``.
+    """Checks what a real runner relies on; samples ``token_id``.
 
-    Raises ``RuntimeError`` on the calls whose index is in ``fail_calls`` (after releasing and
-    admitting, as the real runner would). Double releases or unknown releases fail the test.
+    Every scheduled sequence's block table must hold its positions, and no block may be
+    written by two sequences in one step. Sampler state is created on a sequence's first
+    sample and dropped on release; a double or unknown release fails the test. Raises
+    ``RuntimeError`` on the calls whose index is in ``fail_calls``.
     """
 
-    def __init__(self, token_id: int = 7, fail_calls: frozenset[int] = frozenset()) -> None:
+    def __init__(self, token_id: int = 7, fail_calls: frozenset[int] = frozenset(), num_blocks: int = 64, block_size: int = 4) -> None:
         self.token_id = token_id
         self.fail_calls = fail_calls
+        self.kv_cache = SimpleNamespace(num_blocks=num_blocks, block_size=block_size)
         self.live: set[int] = set()
         self.released: list[int] = []
         self.calls: list[ForwardInput] = []
@@ -330,12 +354,16 @@ class FakeRunner:
             assert seq_id in self.live, f"release of unknown or already released sequence {seq_id}"
             self.live.remove(seq_id)
             self.released.append(seq_id)
+        written: dict[int, int] = {}
+        block_size = self.kv_cache.block_size
         for seq in batch.sequences:
-            if seq.position == 0:
-                assert seq.seq_id not in self.live
+            end = seq.position + len(seq.token_ids)
+            assert len(seq.block_table) * block_size >= end, "block table too short"
+            for p in range(seq.position, end):
+                block = seq.block_table[p // block_size]
+                assert written.setdefault(block, seq.seq_id) == seq.seq_id, f"block {block} written twice"
+            if seq.do_sample:
                 self.live.add(seq.seq_id)
-            else:
-                assert seq.seq_id in self.live, f"decode of a sequence with no KV: {seq.seq_id}"
         if len(self.calls) - 1 in self.fail_calls:
             raise RuntimeError("CUDA error: out of luck")
         return ForwardOutput({s.seq_id: self.token_id for s in batch.sequences if s.do_sample})
@@ -344,7 +372,7 @@ class FakeRunner:
 def make_batcher(
     runner: FakeRunner, max_num_seqs: int = 4, max_num_batched_tokens: int = 64
 ) -> ContinuousBatcher:
-    settings = ContinuousBatcherSettings(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, runner.kv_cache.block_size)
     return ContinuousBatcher(runner, settings, FakeTokenizer(), frozenset({EOS}), clock=FakeClock())
 
 
@@ -434,3 +462,131 @@ def test_batcher_shutdown_fails_pending_requests_and_frees_kv() -> None:
         last = events_of(request)[-1]
         assert isinstance(last, ErrorEvent) and isinstance(last.error, ShuttingDownError)
     assert runner.live == set()
+
+
+def test_batcher_refuses_a_request_larger_than_the_whole_pool() -> None:
+    runner = FakeRunner(num_blocks=4, block_size=4)
+    batcher = make_batcher(runner)
+    too_big = make_request(10, max_tokens=7, name="big")  # 17 tokens > 16
+    batcher.submit(too_big)
+    batcher.step()
+    (event,) = events_of(too_big)
+    assert isinstance(event, ErrorEvent) and isinstance(event.error, KVCapacityError)
+    assert batcher.stats().num_failed == 1
+
+
+# --- chunked prefill, preemption, prefix caching ----------------------------------------------
+
+
+def run_until_done(scheduler: Scheduler, max_steps: int = 200) -> list[StepPlan]:
+    plans = []
+    for _ in range(max_steps):
+        if not scheduler.has_work:
+            return plans
+        plan, _ = run_step(scheduler)
+        plans.append(plan)
+        scheduler.block_manager.check_invariants()
+    raise AssertionError("the scheduler did not run out of work")
+
+
+def test_a_long_prompt_is_chunked_while_running_sequences_decode_every_step() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    (short,) = add_sequences(scheduler, 2, max_tokens=8)
+    run_step(scheduler)
+    (long,) = add_sequences(scheduler, 20, max_tokens=2)
+    chunks = []
+    for _ in range(3):
+        plan, _ = run_step(scheduler)
+        assert plan.scheduled[0] is short and len(plan.forward.sequences[0].token_ids) == 1
+        chunks.append((plan.forward.sequences[1].position, len(plan.forward.sequences[1].token_ids)))
+    assert chunks == [(0, 7), (7, 7), (14, 6)]  # 20 prompt tokens beside one decode per step
+    assert long.output_token_ids == [7]  # sampled only after the last chunk
+    assert scheduler.counters.num_chunked_prefills == 2
+
+
+def test_out_of_blocks_preempts_the_lowest_priority_latest_arrival() -> None:
+    # 6 blocks of 2 tokens; three prompts of 3 tokens take 2 blocks each; the first decode
+    # that needs a third block has to take one from someone.
+    scheduler = make_scheduler(num_blocks=6, block_size=2)
+    urgent = make_sequence(make_request(3, max_tokens=4, name="urgent", priority=-1))
+    early = make_sequence(make_request(3, max_tokens=4, name="early"))
+    late = make_sequence(make_request(3, max_tokens=4, name="late"))
+    for seq in (early, urgent, late):
+        scheduler.add(seq)
+    run_step(scheduler)  # all prefill: 6 blocks used
+    assert scheduler.block_manager.num_free_blocks == 0
+    plan, _ = run_step(scheduler)  # decodes at position 3: 4 tokens fit in 2 blocks
+    plan = scheduler.schedule()  # position 4 needs a third block each
+    assert plan.num_preempted >= 1
+    assert late.status is SequenceStatus.PREEMPTED  # priority 0 like early, but arrived later
+    assert urgent.status is SequenceStatus.RUNNING
+    assert scheduler.waiting[0] is late and late.num_computed_tokens == 0
+    scheduler.postprocess(plan, sample_all(plan))
+    run_until_done(scheduler)
+    for seq in (urgent, early, late):
+        assert seq.output_token_ids == [7, 7, 7, 7]
+        assert [e.finish_reason for e in events_of(seq.request)][-1] == "length"  # type: ignore[union-attr]
+    assert scheduler.counters.num_preemptions >= 1
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_preempted_sequence_recomputes_its_prompt_and_outputs() -> None:
+    scheduler = make_scheduler(num_blocks=3, block_size=2, enable_prefix_caching=False)
+    a, b = add_sequences(scheduler, 2, 2, max_tokens=3)
+    run_step(scheduler)  # both prefill: 2 blocks
+    run_step(scheduler)  # a's decode needs block 3, b's decode then needs a 4th: b is preempted
+    assert b.status is SequenceStatus.PREEMPTED
+    plans = run_until_done(scheduler)
+    resumed = next(p for p in plans if b in p.scheduled)
+    seq_input = resumed.forward.sequences[resumed.scheduled.index(b)]
+    assert seq_input.position == 0
+    assert seq_input.token_ids == [1, 2, 7]  # prompt + the token it had already generated
+    assert b.output_token_ids == [7, 7, 7]
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_shared_prefix_hits_the_prefix_cache() -> None:
+    scheduler = make_scheduler(block_size=4)
+    first = make_sequence(make_request(10, max_tokens=2, name="first"))
+    scheduler.add(first)
+    run_until_done(scheduler)
+    second = make_sequence(make_request(10, max_tokens=2, name="second"))
+    scheduler.add(second)
+    plan, _ = run_step(scheduler)
+    (seq_input,) = plan.forward.sequences
+    assert seq_input.position == 8  # two full blocks of the same 10-token prompt reused
+    assert seq_input.token_ids == [9, 10]
+    stats = scheduler.block_manager.stats()
+    assert stats.prefix_cache_hits == 2
+    run_until_done(scheduler)
+    assert second.output_token_ids == first.output_token_ids
+
+
+def test_prefix_caching_off_recomputes_everything() -> None:
+    scheduler = make_scheduler(block_size=4, enable_prefix_caching=False)
+    for name in ("first", "second"):
+        scheduler.add(make_sequence(make_request(10, max_tokens=1, name=name)))
+        plan, _ = run_step(scheduler)
+        assert plan.forward.sequences[0].position == 0
+        run_until_done(scheduler)
+    assert scheduler.block_manager.stats().prefix_cache_hits == 0
+
+
+def test_every_block_is_free_or_evictable_after_all_end_cancelled_included() -> None:
+    scheduler = make_scheduler(num_blocks=12, block_size=2, max_num_batched_tokens=6)
+    seqs = add_sequences(scheduler, 5, 3, 7, 1, 4, max_tokens=5)
+    run_step(scheduler)
+    seqs[1].request.cancel()
+    run_step(scheduler)
+    seqs[4].request.cancel()  # maybe still waiting
+    run_until_done(scheduler)
+    manager = scheduler.block_manager
+    manager.check_invariants()
+    assert manager.num_used_blocks == 0
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_add_refuses_a_sequence_that_can_never_fit() -> None:
+    scheduler = make_scheduler(num_blocks=2, block_size=4)
+    with pytest.raises(KVCapacityError, match="exceeds the KV pool's 8 tokens"):
+        scheduler.add(make_sequence(make_request(5, max_tokens=4)))

@@ -1,0 +1,303 @@
+"""Decode-time paged attention: one call per layer for every decoding sequence.
+
+Each sequence has one query token (its newest, whose K/V are already written) and attends over
+its whole context, stored in fixed-size blocks of a shared cache: token ``t`` of sequence ``s``
+lives at ``key_cache[block_tables[s, t // block_size], t % block_size]``. This is the decode half
+of vLLM's paged attention; like vLLM's CPU backend, the work runs in one C++ kernel
+(``csrc/paged_attention.cpp``), compiled on first use with ``torch.utils.cpp_extension.load``.
+Where the kernel cannot be built (``SLUICE_DISABLE_CPP_KERNELS=1``, no compiler or ninja, a build
+error) or the dtype or device is not one it handles, a pure-torch version gives the same result.
+
+The build lands in ``$SLUICE_CACHE_DIR/torch_extensions`` (default ``~/.cache/sluice``), in a
+subfolder per Python, torch and machine so that different environments never load each other's
+binaries; later processes only load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+log = structlog.get_logger(__name__)
+
+DISABLE_ENV = "SLUICE_DISABLE_CPP_KERNELS"
+CACHE_DIR_ENV = "SLUICE_CACHE_DIR"
+EXTENSION_NAME = "sluice_paged_attention"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# -O3; -ffp-contract=fast lets the vector loops use FMA (off by default under -std=c++20);
+# -fopenmp, because at::parallel_for is a header template that runs serially without it (the
+# library resolves to the libgomp torch already loaded, so there is one thread pool); -Wno-psabi
+# silences GCC's note on 64-byte vector arguments, which never cross a call boundary. No -march:
+# the build cache may serve other CPUs, so the kernel picks its ISA at load time.
+CFLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi"]
+LDFLAGS = ["-fopenmp"]
+# torch's build lock is a plain file that a process killed mid-build leaves behind, after which
+# every later load waits forever; ours is an flock, which the kernel drops with its holder.
+_BUILD_LOCK_NAME = "sluice-build.lock"
+_TORCH_LOCK_NAME = "lock"
+_ERROR_WORDS = ("error", "not found", "No such file")
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged KV; called once per layer per step.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]``, float32, bfloat16 or float16.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous,
+            the dtype of ``query``. ``num_heads`` is a multiple of ``num_kv_heads``; query head
+            ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32; entries past a sequence's last
+            block are ignored.
+        context_lens: ``[num_seqs]`` int32, in ``[1, max_blocks_per_seq * block_size]``: the
+            tokens each sequence attends to, its current one included.
+        scale: multiplies ``q . k`` before the softmax (usually ``head_dim ** -0.5``).
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in the dtype of ``query``.
+    Raises:
+        TypeError: a dtype is wrong. ValueError: a shape, a context length or a block id is.
+    """
+    if query.dtype in KERNEL_DTYPES and query.device.type == "cpu":
+        kernel = _KERNEL.module()
+        if kernel is not None:
+            return kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    return torch_paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def compiled_kernel_available() -> bool:
+    """Whether :func:`paged_decode_attention` runs the C++ kernel; builds it on the first call."""
+    return _KERNEL.module() is not None
+
+
+def kernel_unavailable_reason() -> str | None:
+    """Why the C++ kernel is not used (``None`` when it is); builds it on the first call."""
+    _KERNEL.module()
+    return _KERNEL.unavailable_reason
+
+
+def torch_paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The pure-torch fallback of :func:`paged_decode_attention` (same contract, any device).
+
+    Per sequence: one ``index_select`` of its blocks from each cache, then one
+    ``scaled_dot_product_attention`` with the query heads of a kv head as its query rows (no GQA
+    expansion of K/V). Measured against one padded, masked batch for all sequences: that gathers
+    tens of MB per call into fresh buffers, and their page faults alone cost more than this loop.
+    """
+    _check_inputs(query, key_cache, value_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    _check_tables(block_tables, context_lens, block_size, num_blocks)
+    group = num_heads // num_kv_heads
+    tables = block_tables.long()
+    out = torch.empty_like(query)
+    for seq, context_len in enumerate(context_lens.tolist()):
+        blocks = tables[seq, : -(-context_len // block_size)]
+        keys = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+        values = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+        out[seq] = F.scaled_dot_product_attention(
+            query[seq].reshape(1, num_kv_heads, group, head_dim),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            scale=scale,
+        ).view(num_heads, head_dim)
+    return out
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """The shape and dtype checks of the C++ kernel, with the same exception types."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got shape {list(query.shape)}")
+    if key_cache.dim() != 4:
+        raise ValueError(
+            f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {list(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache shape {list(value_cache.shape)} differs from key_cache shape {list(key_cache.shape)}"
+        )
+    if not query.is_floating_point() or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError(
+            "query must be floating point and key_cache and value_cache dtypes must match it, "
+            f"got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}"
+        )
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(
+            f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}"
+        )
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if head_dim != key_cache.shape[3]:
+        raise ValueError(f"query head_dim {head_dim} differs from the cache's head_dim {key_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {list(block_tables.shape)}"
+        )
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {list(context_lens.shape)}")
+
+
+def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
+    """Context lengths within the table, block ids within the cache (for the blocks in use)."""
+    capacity = block_tables.shape[1] * block_size
+    bad_lens = (context_lens < 1) | (context_lens > capacity)
+    if bool(bad_lens.any()):
+        seq = int(bad_lens.nonzero()[0, 0])
+        raise ValueError(
+            f"context_lens[{seq}] = {int(context_lens[seq])} is outside "
+            f"[1, max_blocks_per_seq * block_size = {capacity}]"
+        )
+    num_used = (context_lens.unsqueeze(1) + block_size - 1) // block_size
+    is_used = torch.arange(block_tables.shape[1], device=block_tables.device) < num_used
+    bad_blocks = is_used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad_blocks.any()):
+        seq, index = bad_blocks.nonzero()[0].tolist()
+        block_id = int(block_tables[seq, index])
+        raise ValueError(f"block_tables[{seq}, {index}] = {block_id} is outside [0, num_blocks = {num_blocks})")
+
+
+class KernelLoader:
+    """Builds or loads a C++ extension once per process, on first use, or records why it cannot.
+
+    ``module()`` is safe to call from many threads; the first caller builds while the others wait.
+    Any failure (the kill switch ``SLUICE_DISABLE_CPP_KERNELS=1``, no compiler or ninja, a compile
+    error) logs one warning and leaves ``module()`` returning ``None``; callers fall back to torch.
+
+    Args:
+        build: returns the compiled module; the default compiles ``csrc/paged_attention.cpp``.
+        environ: where the kill switch is read (``os.environ`` by default).
+    """
+
+    def __init__(self, build: Callable[[], ModuleType] | None = None, environ: Mapping[str, str] | None = None):
+        self._build = build or build_extension
+        self._environ = os.environ if environ is None else environ
+        self._lock = threading.Lock()
+        self._is_done = False
+        self._module: ModuleType | None = None
+        self.unavailable_reason: str | None = None
+
+    def module(self) -> ModuleType | None:
+        """The compiled module, or ``None`` when it is disabled or failed to build."""
+        if self._is_done:
+            return self._module
+        with self._lock:
+            if not self._is_done:
+                self._module = self._load()
+                self._is_done = True
+        return self._module
+
+    def _load(self) -> ModuleType | None:
+        if self._environ.get(DISABLE_ENV, "") not in ("", "0"):
+            self.unavailable_reason = f"disabled by {DISABLE_ENV}={self._environ[DISABLE_ENV]}"
+        else:
+            try:
+                return self._build()
+            except Exception as exc:  # noqa: BLE001 - any build failure means the torch fallback
+                self.unavailable_reason = f"build failed: {type(exc).__name__}: {_summary(exc)}"
+        log.warning("cpp_kernel_unavailable", kernel=EXTENSION_NAME, reason=self.unavailable_reason, fallback="torch")
+        return None
+
+
+def build_directory() -> Path:
+    """``$SLUICE_CACHE_DIR/torch_extensions/<python>_<torch>_<machine>`` (cache dir default ``~/.cache/sluice``)."""
+    root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sluice")
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{platform.machine()}"
+    return root / "torch_extensions" / tag
+
+
+def build_extension() -> ModuleType:
+    """Compile (or reuse the cached build of) the kernel and import it; raises on any failure."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / _BUILD_LOCK_NAME, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        # Holding our lock, no other process is inside load(): a torch lock file is a leftover.
+        (directory / _TORCH_LOCK_NAME).unlink(missing_ok=True)
+        with _torch_build_logs_quiet():
+            module: Any = load(
+                name=EXTENSION_NAME,
+                sources=[str(SOURCE_PATH)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(directory),
+                verbose=False,
+            )
+    return module
+
+
+def _put_ninja_on_path() -> None:
+    """torch's build runs ``ninja`` from ``PATH``; a server started as ``.venv/bin/python`` may not
+    have the venv's ``bin`` there, so add the ``ninja`` package's binary folder when needed."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _summary(exc: BaseException) -> str:
+    """One line for the warning: the error's headline (without the compile command) and the first
+    line of the compiler's output that says what went wrong."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["no message"]
+    headline = lines[0].split(": [", 1)[0][:200]
+    detail = next((line for line in lines[1:] if any(word in line for word in _ERROR_WORDS)), None)
+    return f"{headline}: {detail[:300]}" if detail else headline
+
+
+@contextlib.contextmanager
+def _torch_build_logs_quiet() -> Iterator[None]:
+    """Keep torch's own build warnings (compiler version checks) out of the log: a failure is
+    reported once, by :class:`KernelLoader`."""
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_log.setLevel(level)
+
+
+_KERNEL = KernelLoader()

@@ -1,0 +1,18 @@
+"""Which running sequence to preempt when the KV pool runs out of blocks."""
+
+from __future__ import annotations
+
+
+def pick_victim(candidates: list[tuple[int, int]]) -> int:
+    """Index of the candidate to preempt, from ``(priority, arrival_order)`` pairs.
+
+    The victim is the lowest-priority sequence (largest ``priority`` value: lower is more
+    urgent, as in vLLM), and among equals the latest arrived (largest ``arrival_order``): the one
+    that has waited least loses least by being recomputed later (vLLM's priority policy).
+
+    Raises:
+        ValueError: no candidates.
+    """
+    if not candidates:
+        raise ValueError("pick_victim needs at least one candidate")
+    return max(range(len(candidates)), key=lambda i: candidates[i])
