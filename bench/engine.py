@@ -87,10 +87,13 @@ def _load(args: argparse.Namespace) -> tuple[LoadedModel, Workload]:
     """Set torch's threads, load the model on CPU in float32, and draw the workload."""
     import torch
 
+    from models.cpu_memory import keep_freed_memory_in_heap
     from models.loader import load_model
     from models.source import default_cache_dir
 
     torch.set_num_threads(args.threads)
+    # The same allocator settings as `sluice serve`, for every system of this process alike.
+    keep_freed_memory_in_heap()
     _progress(f"loading {args.source} ({args.threads} threads)")
     loaded = load_model(DEFAULT_MODEL_NAME, args.source, "generate", "float32", "cpu", default_cache_dir())
     workload = make_workload(
@@ -230,9 +233,12 @@ def agreement(results: dict[str, SystemResult], eos_token_ids: frozenset[int]) -
 
 
 def forward_share(results: dict[str, SystemResult]) -> dict[str, Any] | None:
-    """Sluice's forward seconds over step seconds (0..1) at 32 sequences and over all steps, from its
-    step trace (:meth:`bench.step_trace.StepTrace.forward_share`); ``None`` without a Sluice run."""
-    trace = results["sluice"].trace if "sluice" in results else None
+    """Sluice's forward seconds over step seconds (0..1) at 32 sequences and over all steps, from the
+    step trace of its 32-request probe, else of its timed run
+    (:meth:`bench.step_trace.StepTrace.forward_share`); ``None`` without a Sluice run."""
+    if "sluice" not in results:
+        return None
+    trace = results["sluice"].share_trace or results["sluice"].trace
     return None if trace is None else asdict(trace.forward_share())
 
 

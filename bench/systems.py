@@ -17,12 +17,13 @@ this module's names without loading them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from bench.step_trace import StepTrace
+from bench.step_trace import FORWARD_SHARE_NUM_SEQS, StepTrace
 from models.loader import LoadedModel
 
 SLUICE_MAX_NUM_SEQS = 64
@@ -41,7 +42,9 @@ class SystemResult:
     ``wall_s`` the wall time from the first submission to the last token, in seconds;
     ``cpu_s`` the CPU time this process spent meanwhile, all threads, in seconds;
     ``num_threads`` the torch intra-op threads it ran with;
-    ``trace`` the per-step samples of a Sluice run (``None`` for the other systems).
+    ``trace`` the per-step samples of a Sluice run (``None`` for the other systems);
+    ``share_trace`` those of Sluice's untimed probe with exactly ``FORWARD_SHARE_NUM_SEQS``
+    requests, whose decode steps all run that many sequences (``None`` for the other systems).
     """
 
     outputs: list[list[int]]
@@ -49,6 +52,7 @@ class SystemResult:
     cpu_s: float
     num_threads: int
     trace: StepTrace | None = None
+    share_trace: StepTrace | None = None
 
     @property
     def cpu_busy_fraction(self) -> float:
@@ -220,7 +224,12 @@ def run_sluice(engines: Engines, prompts: list[list[int]], max_new_tokens: int) 
     trace = StepTrace.around(runner)
     clock = _Stopwatch()
     outputs = _sluice_generate(runner, engines.loaded, prompts, max_new_tokens, trace)
-    return clock.result(outputs, trace)
+    result = clock.result(outputs, trace)
+    # Untimed probe for the forward share at exactly FORWARD_SHARE_NUM_SEQS running sequences:
+    # the timed run's running count jumps past it as prompts join and leave together.
+    share_trace = StepTrace.around(runner)
+    _sluice_generate(runner, engines.loaded, prompts[:FORWARD_SHARE_NUM_SEQS], max_new_tokens, share_trace)
+    return dataclasses.replace(result, share_trace=share_trace)
 
 
 def roomy_num_blocks(prompts: list[list[int]], max_new_tokens: int, block_size: int = 16) -> int:

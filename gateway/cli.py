@@ -29,6 +29,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
+    from models.cpu_memory import keep_freed_memory_in_heap
+
+    keep_freed_memory_in_heap()
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 

@@ -179,11 +179,61 @@ def test_batcher_kind_must_match_the_task(model_index: int, wrong_kind: str) -> 
     assert f"'{wrong_kind}'" in message
 
 
-def test_step_budget_must_hold_a_whole_prompt() -> None:
+def test_step_budget_must_cover_one_decode_per_running_sequence() -> None:
     data = make_config_data()
-    data["models"][0]["buckets"][1]["batcher"]["max_num_batched_tokens"] = 50
+    data["models"][0]["buckets"][1]["batcher"].update(max_num_batched_tokens=50, max_num_seqs=64)
     message = config_error(data)
-    assert "buckets.1.batcher.max_num_batched_tokens" in message and "50" in message
+    assert "buckets.1.batcher.max_num_batched_tokens" in message and "50" in message and "max_num_seqs 64" in message
+
+
+def test_a_step_budget_below_the_prompt_limit_is_fine_prompts_are_chunked() -> None:
+    data = make_config_data()
+    data["models"][0]["buckets"][1]["batcher"].update(max_num_batched_tokens=16, max_num_seqs=8)
+    assert parse_config(data).models[0].buckets[1].batcher.max_num_batched_tokens == 16  # type: ignore[union-attr]
+
+
+def test_kv_memory_sizes_take_units_and_split_over_the_slice() -> None:
+    from gateway.engine import split_kv_memory
+
+    data = make_config_data()
+    data["slices"][0]["kv_cache_memory_bytes"] = "1GiB"
+    data["models"][0]["buckets"][0]["batcher"]["kv_cache_memory_fraction"] = 0.25
+    config = parse_config(data)
+    assert config.slices[0].kv_cache_memory_bytes == 1024**3
+    shares = split_kv_memory(config, {"cpu0": 1024**3})
+    assert shares == {("gen", "le32"): 1024**3 // 4, ("gen", "le96"): 3 * 1024**3 // 4}
+    data["models"][0]["buckets"][1]["batcher"]["kv_cache_memory_bytes"] = "100MiB"
+    shares = split_kv_memory(parse_config(data), {"cpu0": 1024**3})
+    assert shares[("gen", "le96")] == 100 * 1024**2
+
+
+def test_kv_memory_bytes_and_fraction_are_exclusive() -> None:
+    data = make_config_data()
+    data["models"][0]["buckets"][0]["batcher"].update(kv_cache_memory_bytes="1GiB", kv_cache_memory_fraction=0.5)
+    assert "buckets.0.batcher.kv_cache_memory_fraction" in config_error(data)
+
+
+def test_kv_memory_fractions_over_one_are_rejected() -> None:
+    data = make_config_data()
+    for bucket in data["models"][0]["buckets"]:
+        bucket["batcher"]["kv_cache_memory_fraction"] = 0.6
+    message = config_error(data)
+    assert "slices.0.kv_cache_memory_bytes" in message and "1.2" in message
+
+
+def test_kv_memory_over_the_slice_budget_is_a_config_error() -> None:
+    from gateway.engine import split_kv_memory
+
+    data = make_config_data()
+    data["models"][0]["buckets"][0]["batcher"]["kv_cache_memory_bytes"] = "2GiB"
+    with pytest.raises(ConfigError, match="slice 'cpu0'"):
+        split_kv_memory(parse_config(data), {"cpu0": 1024**3})
+
+
+def test_a_bad_memory_size_names_the_field() -> None:
+    data = make_config_data()
+    data["slices"][0]["kv_cache_memory_bytes"] = "lots"
+    assert "slices.0.kv_cache_memory_bytes" in config_error(data)
 
 
 def test_duplicate_slice_and_model_names_are_rejected() -> None:
