@@ -22,6 +22,11 @@ class Batcher(Protocol):
     def seconds_until_ready(self, now: float) -> float | None:
         """``None``: no work. ``0.0``: :meth:`step` has work now. Else seconds until it will."""
 
+    def head_priority(self, now: float) -> float | None:
+        """The best (lowest) effective priority among its queued and running requests at ``now``
+        (:func:`policies.priority.effective_priority`); ``None`` without any. The slice's arbiter
+        compares buckets by it."""
+
     def step(self) -> None:
         """Run one forward (a continuous step or a dynamic batch) and emit its results."""
 

@@ -21,6 +21,7 @@ from buckets.settings import ContinuousBatcherSettings
 from buckets.stats import BucketStats, Counters
 from models.detokenizer import IncrementalDetokenizer
 from models.step_io import ForwardInput, ForwardOutput
+from policies.priority import effective_priority
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +67,13 @@ class ContinuousBatcher:
 
     def seconds_until_ready(self, now: float) -> float | None:
         return 0.0 if self._inbox or self.scheduler.has_work else None
+
+    def head_priority(self, now: float) -> float | None:
+        aging_s = self.settings.priority_aging_s
+        inbox = [effective_priority(r.priority, r.timeline["enqueued"], now, aging_s) for r in list(self._inbox)]
+        scheduled = self.scheduler.best_effective_priority(now)
+        candidates = inbox + ([scheduled] if scheduled is not None else [])
+        return min(candidates) if candidates else None
 
     def step(self) -> None:
         self._take_inbox()

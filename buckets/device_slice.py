@@ -1,13 +1,16 @@
 """A device slice: one device, one worker thread, and the buckets that take turns on it.
 
 The worker is the single owner of its buckets' queues, schedulers and runners, so the core
-needs no locks beyond this condition variable, which only wakes the worker. Buckets with work
-step in round-robin order (the priority arbiter replaces this rule later); a dynamic batcher
-that is waiting out ``max_queue_delay`` sets how long the worker sleeps.
+needs no locks beyond this condition variable, which only wakes the worker. Among the buckets
+with work ready, the slice's :class:`policies.priority.SliceArbiter` picks the one whose most
+urgent request has the best effective priority, and never lets one bucket run more than
+``max_consecutive_steps`` steps in a row while another waits; a dynamic batcher that is waiting
+out ``max_queue_delay`` sets how long the worker sleeps.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Callable
@@ -15,10 +18,12 @@ from typing import Callable
 import structlog
 
 from buckets.batcher import Batcher
+from policies.priority import SliceArbiter
 
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 1.0
+DEFAULT_MAX_CONSECUTIVE_STEPS = 4
 
 
 class DeviceSlice:
@@ -29,10 +34,18 @@ class DeviceSlice:
         device: ``cpu`` or ``cuda:N``.
         num_threads: torch intra-op threads on CPU (process-wide in torch: the last slice to
             start sets it).
+        max_consecutive_steps: the most steps one bucket runs in a row while another has work.
         clock: seconds, monotonic.
     """
 
-    def __init__(self, name: str, device: str, num_threads: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        name: str,
+        device: str,
+        num_threads: int,
+        max_consecutive_steps: int = DEFAULT_MAX_CONSECUTIVE_STEPS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.name = name
         self.device = device
         self.num_threads = num_threads
@@ -40,7 +53,7 @@ class DeviceSlice:
         self._batchers: list[Batcher] = []
         self._wake = threading.Condition()
         self._stopping = False
-        self._next = 0
+        self._arbiter = SliceArbiter(max_consecutive_steps)
         self._thread: threading.Thread | None = None
 
     def attach(self, batcher: Batcher) -> None:
@@ -81,18 +94,22 @@ class DeviceSlice:
             except Exception:  # the worker never dies silently; the batcher already failed its requests
                 log.exception("slice_step_error", slice=self.name, batcher=batcher.kind)
 
+    @staticmethod
+    def _head(batcher: Batcher, now: float) -> float:
+        """A ready batcher's best effective priority; housekeeping only (no request) ranks last."""
+        head = batcher.head_priority(now)
+        return math.inf if head is None else head
+
     def _wait_for_ready(self) -> Batcher | None:
-        """Block until some batcher is ready; return it (round-robin), or ``None`` on stop."""
+        """Block until some batcher is ready; return the one the arbiter picks, or ``None`` on stop."""
         with self._wake:
             while not self._stopping:
                 now = self.clock()
                 waits = [b.seconds_until_ready(now) for b in self._batchers]
-                count = len(waits)
-                for offset in range(count):
-                    index = (self._next + offset) % count
-                    if waits[index] == 0.0:
-                        self._next = index + 1
-                        return self._batchers[index]
+                heads = [self._head(b, now) if w == 0.0 else None for b, w in zip(self._batchers, waits)]
+                index = self._arbiter.pick(heads)
+                if index is not None:
+                    return self._batchers[index]
                 pending = [w for w in waits if w is not None]
                 self._wake.wait(min(pending) if pending else IDLE_WAIT_S)
             return None

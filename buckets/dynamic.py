@@ -19,6 +19,7 @@ from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, Reques
 from buckets.settings import DynamicBatcherSettings
 from buckets.stats import BucketStats, Counters
 from policies.batching import seconds_until_batch_closes
+from policies.priority import effective_priority
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +55,13 @@ class DynamicBatcher:
         return seconds_until_batch_closes(
             len(self._queue), oldest_wait_s, self.settings.max_batch_size, self.settings.max_queue_delay_s
         )
+
+    def head_priority(self, now: float) -> float | None:
+        aging_s = self.settings.priority_aging_s
+        queued = list(self._queue)  # a C-level copy: safe while the event loop appends
+        if not queued:
+            return None
+        return min(effective_priority(r.priority, r.timeline["enqueued"], now, aging_s) for r in queued)
 
     def step(self) -> None:
         batch = self._take_batch()

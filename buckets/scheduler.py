@@ -9,16 +9,17 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 
 1. running sequences that decode get their one token first, then running sequences still in
    prefill get their next chunk, so a long prompt never stalls the decodes beside it;
-2. a sequence whose blocks run out preempts by recompute: the victim (lowest priority, latest
-   arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes back to the front
-   of the waiting queue, to recompute its prompt and outputs when it resumes;
-3. if nothing was preempted, waiting sequences join while blocks and budget allow, reusing
+2. a sequence whose blocks run out preempts by recompute: the victim (lowest effective
+   priority, latest arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes
+   back to the waiting queue under its original arrival time (so near the front), to recompute
+   its prompt and outputs when it resumes;
+3. if nothing was preempted, waiting sequences join in order of effective priority with aging
+   (:class:`policies.priority.AgingPriorityQueue`) while blocks and budget allow, reusing
    prefix-cached blocks; a prompt longer than the budget left runs as a first chunk.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,6 +30,7 @@ from buckets.sequence import Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
 from models.step_io import ForwardInput, ForwardOutput, SequenceInput
 from policies.preemption import pick_victim
+from policies.priority import AgingPriorityQueue, priority_key
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class Scheduler:
         self.settings = settings
         self.block_manager = block_manager
         self.clock = clock
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.waiting: AgingPriorityQueue[Sequence] = AgingPriorityQueue(settings.priority_aging_s)
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self._released: list[int] = []
@@ -89,7 +91,8 @@ class Scheduler:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (called by the batcher when it takes a request from its inbox).
+        """Queue a new sequence (called by the batcher when it takes a request from its inbox),
+        stamping its arrival time for aging.
 
         Raises:
             KVCapacityError: prompt + ``max_tokens`` needs more blocks than the whole pool holds,
@@ -100,7 +103,8 @@ class Scheduler:
                 f"prompt + max_tokens = {seq.max_total_tokens} tokens exceeds the KV pool's {self.max_seq_tokens} tokens"
             )
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.arrival_s = seq.request.timeline.get("enqueued", self.clock())
+        self._enqueue(seq)
 
     def drop_cancelled(self) -> list[Sequence]:
         """Remove cancelled sequences from both queues; their blocks return to the pool at once."""
@@ -153,7 +157,7 @@ class Scheduler:
         """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow."""
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             token_ids = seq.all_token_ids
             num_cached = manager.num_cached_prefix_tokens(token_ids)
             num_tokens = min(len(token_ids) - num_cached, budget)
@@ -161,15 +165,28 @@ class Scheduler:
                 break
             seq.num_computed_tokens = manager.allocate(seq.seq_id, token_ids, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
-            self.waiting.popleft()
+            self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = (seq, num_tokens)
             budget -= num_tokens
 
     def _pick_victim(self) -> Sequence:
-        candidates = [(s.request.priority, s.seq_id) for s in self.running]
+        aging_s = self.settings.priority_aging_s
+        candidates = [(priority_key(s.request.priority, s.arrival_s, aging_s), s.seq_id) for s in self.running]
         return self.running[pick_victim(candidates)]
+
+    def best_effective_priority(self, now: float) -> float | None:
+        """The most urgent effective priority among waiting and running sequences at ``now``."""
+        aging_s = self.settings.priority_aging_s
+        keys = [priority_key(s.request.priority, s.arrival_s, aging_s) for s in self.running]
+        head_key = self.waiting.peek_key()
+        if head_key is not None:
+            keys.append(head_key)
+        return min(keys) - now / aging_s if keys else None
+
+    def _enqueue(self, seq: Sequence) -> None:
+        self.waiting.push(seq, seq.request.priority, seq.arrival_s)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it at the front of the waiting queue (recompute later)."""
@@ -178,7 +195,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
         self.counters.num_preemptions += 1
 
     def postprocess(self, plan: StepPlan, output: ForwardOutput) -> list[Sequence]:

@@ -31,6 +31,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.arrival_s = 0.0  # when it joined its bucket's queue (seconds, the scheduler's clock)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self._detokenizer = detokenizer

@@ -12,6 +12,7 @@ class DynamicBatcherSettings:
 
     max_batch_size: int
     max_queue_delay_ms: float
+    priority_aging_s: float = 10.0
 
     @property
     def max_queue_delay_s(self) -> float:
@@ -23,9 +24,11 @@ class ContinuousBatcherSettings:
     """Per-step budgets of the continuous batcher (vLLM's names): at most ``max_num_seqs``
     running sequences and ``max_num_batched_tokens`` tokens (prefill + decode) in one forward;
     KV in blocks of ``block_size`` tokens, full blocks shared between prompts with a common
-    prefix when ``enable_prefix_caching``."""
+    prefix when ``enable_prefix_caching``. Waiting requests are served by effective priority,
+    ``priority - waited_s / priority_aging_s`` (see :mod:`policies.priority`)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    priority_aging_s: float = 10.0

@@ -27,9 +27,14 @@ def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[Any]:
     return Response(exc.body(), status_code=exc.status_code)
 
 
+# Codes for litestar's own HTTP errors, in OpenAI's style.
+_HTTP_ERROR_CODES = {413: "request_too_large"}
+
+
 def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    """litestar's HTTP errors (404 path, 405 method, 413 body too large) in OpenAI's body shape."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    error = APIError(exc.status_code, str(exc.detail), kind)
+    error = APIError(exc.status_code, str(exc.detail), kind, code=_HTTP_ERROR_CODES.get(exc.status_code))
     return Response(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -83,7 +88,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         lifespan=[lifespan],
         state=_state(engine),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
-        request_max_body_size=16 * 1024 * 1024,
+        request_max_body_size=int(config.max_request_body_bytes),
     )
 
 

@@ -31,6 +31,8 @@ class SliceConfig(_Strict):
     # Memory for the KV pools of the continuous buckets placed here ("2GiB", "512MiB" or bytes);
     # unset: 2 GiB on a CPU, half the device's memory on a GPU.
     kv_cache_memory_bytes: ByteSize | None = Field(default=None, gt=0)
+    # The most steps one bucket runs in a row while another bucket on this slice has work.
+    max_consecutive_steps: int = Field(default=4, ge=1, le=10_000)
 
 
 class DynamicBatcherConfig(_Strict):
@@ -39,6 +41,8 @@ class DynamicBatcherConfig(_Strict):
     kind: Literal["dynamic"]
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     max_queue_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
+    # Waiting this many seconds is worth one priority level (effective = priority - waited / aging).
+    priority_aging_s: float = Field(default=10.0, gt=0, le=86_400)
 
 
 class ContinuousBatcherConfig(_Strict):
@@ -48,6 +52,7 @@ class ContinuousBatcherConfig(_Strict):
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     block_size: int = Field(default=16, ge=1, le=1024)
+    priority_aging_s: float = Field(default=10.0, gt=0, le=86_400)
     enable_prefix_caching: bool = True
     # This bucket's KV pool: explicit bytes, or a fraction of its slice's kv_cache_memory_bytes;
     # neither: an equal share of what the slice's other buckets leave.
@@ -89,6 +94,10 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     max_model_len: int = Field(ge=2)
     buckets: list[BucketConfig] = Field(min_length=1)
+    # The most tokens one request may ask to generate; None: only max_model_len limits it.
+    max_tokens_cap: int | None = Field(default=None, ge=1)
+    # The most strings in one embeddings request's ``input`` list (OpenAI's limit).
+    max_embedding_inputs: int = Field(default=2048, ge=1)
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "ModelConfig":
@@ -118,6 +127,8 @@ class GatewayConfig(_Strict):
     slices: list[SliceConfig] = Field(min_length=1)
     models: list[ModelConfig] = Field(min_length=1)
     cache_dir: str | None = None
+    # A larger request body gets a 413 before it is parsed ("2MiB" or bytes).
+    max_request_body_bytes: ByteSize = Field(default=ByteSize(2 * 1024 * 1024), gt=0)
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":

@@ -80,7 +80,9 @@ class Engine:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
-        self.slices = {s.name: DeviceSlice(s.name, s.device, s.num_threads) for s in config.slices}
+        self.slices = {
+            s.name: DeviceSlice(s.name, s.device, s.num_threads, s.max_consecutive_steps) for s in config.slices
+        }
         self.models: dict[str, ServedModel] = {}
         self.kv_memory_bytes = split_kv_memory(
             config,
@@ -114,7 +116,11 @@ class Engine:
 
             knobs = config.batcher
             settings = ContinuousBatcherSettings(
-                knobs.max_num_seqs, knobs.max_num_batched_tokens, knobs.block_size, knobs.enable_prefix_caching
+                knobs.max_num_seqs,
+                knobs.max_num_batched_tokens,
+                knobs.block_size,
+                knobs.enable_prefix_caching,
+                knobs.priority_aging_s,
             )
             memory_bytes = self.kv_memory_bytes[(model.name, config.bucket_name)]
             num_blocks = loaded.kv_shape().num_blocks_for(memory_bytes, knobs.block_size, loaded.dtype_bytes)
@@ -134,6 +140,8 @@ class Engine:
 
             pad_id = loaded.tokenizer.pad_token_id or 0
             runner = EmbeddingRunner(loaded.model, pad_id, loaded.folder)
-            batcher = DynamicBatcher(runner, DynamicBatcherSettings(config.batcher.max_batch_size, config.batcher.max_queue_delay_ms))
+            batcher = DynamicBatcher(runner, DynamicBatcherSettings(
+                config.batcher.max_batch_size, config.batcher.max_queue_delay_ms, config.batcher.priority_aging_s
+            ))
         max_seq_tokens = batcher.max_seq_tokens if isinstance(batcher, ContinuousBatcher) else None
         return Bucket(config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens)

@@ -6,6 +6,13 @@ Only the gateway maps errors to status codes. The body is OpenAI's shape:
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+# Union members show up in pydantic's error locations as their type's name ("str",
+# "list[str]"); they are not request fields, so a ``param`` leaves them out.
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
+
 
 class ConfigError(Exception):
     """The config file is unreadable or invalid; the message names the field and value."""
@@ -42,3 +49,23 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 def model_not_found(name: str) -> APIError:
     """404 for a model the gateway does not serve."""
     return APIError(404, f"The model '{name}' does not exist", "not_found_error", "model", "model_not_found")
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """400 for a body that fails validation; ``param`` is the dotted path of the field at fault.
+
+    Of pydantic's errors the one with the deepest path is reported, so a list item that fails
+    every member of a union names the item (``input.1``) rather than the union (``input``).
+    """
+    errors = exc.errors()
+    paths = [error_param(err) for err in errors]
+    index = max(range(len(errors)), key=lambda i: len(paths[i].split(".")) if paths[i] else 0)
+    param = paths[index] or None
+    message = errors[index]["msg"].removeprefix("Value error, ")
+    return invalid_request(f"{param}: {message}" if param else message, param=param)
+
+
+def error_param(err: ErrorDetails) -> str:
+    """``("messages", 2, "role")`` -> ``"messages.2.role"``, union member tags dropped."""
+    parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _UNION_MEMBER_TAGS or "[" in p))]
+    return ".".join(parts)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import threading
+import uuid
+
 from buckets.bucket import Bucket
 from gateway.engine import Engine, ServedModel
 from gateway.errors import invalid_request, model_not_found
@@ -10,6 +14,10 @@ from gateway.schemas import ChatMessage
 
 class Router:
     """Looks models up, tokenizes prompts, and picks the smallest bucket that holds them."""
+
+    # A fast tokenizer keeps ``split_special_tokens`` as state of its Rust backend, set by each
+    # call; prompts are tokenized on worker threads, so one call at a time sets it and encodes.
+    _encode_lock = threading.Lock()
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -29,18 +37,40 @@ class Router:
 
     @staticmethod
     def tokenize(served: ServedModel, text: str) -> list[int]:
-        return list(served.loaded.tokenizer(text).input_ids)
+        """Token ids of user text, with the tokenizer's usual special tokens (BOS, CLS/SEP) added.
+
+        Control-token strings inside ``text`` (``<|im_end|>``, ``[SEP]``) are tokenized as plain
+        text, never as the control tokens themselves.
+        """
+        with Router._encode_lock:
+            return list(served.loaded.tokenizer(text, split_special_tokens=True).input_ids)
 
     @staticmethod
     def tokenize_chat(served: ServedModel, messages: list[ChatMessage]) -> list[int]:
-        """Apply the tokenizer's chat template (with the generation prompt) and tokenize."""
+        """Token ids of the chat template applied to ``messages``, with the generation prompt.
+
+        The template is rendered with a placeholder for each message's content; the template's
+        own text is tokenized with its control tokens, each content as plain text (control-token
+        strings in it split), and the pieces are joined. A conversation without control-token
+        strings tokenizes as the whole rendered template does, except where a content's leading
+        or trailing whitespace would merge with the template's across the seam.
+
+        Raises:
+            APIError: 400 (``messages``) when the model has no chat template.
+        """
         tokenizer = served.loaded.tokenizer
         if not tokenizer.chat_template:
             raise invalid_request(f"The model '{served.config.name}' has no chat template", param="messages")
-        text = tokenizer.apply_chat_template(
-            [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=False
-        )
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+        nonce = uuid.uuid4().hex
+        placeholders = [{"role": m.role, "content": f"@@{nonce}:{i}@@"} for i, m in enumerate(messages)]
+        text = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        with Router._encode_lock:
+            for index, piece in enumerate(re.split(f"@@{nonce}:(\\d+)@@", text)):
+                is_content = index % 2 == 1  # re.split puts the captured message index at odd positions
+                content = messages[int(piece)].content if is_content else piece
+                ids += tokenizer(content, add_special_tokens=False, split_special_tokens=is_content).input_ids
+        return ids
 
     @staticmethod
     def route(served: ServedModel, num_prompt_tokens: int, max_tokens: int, param: str) -> Bucket:

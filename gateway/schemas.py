@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+)
 
 MAX_STOP_STRINGS = 4
+
+
+def _encodable(text: str) -> str:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer or encoder takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"String contains an invalid Unicode code point at position {exc.start}") from None
+    return text
+
+
+# A string field: strictly a string, and valid Unicode (no lone surrogates).
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
 class _Body(BaseModel):
@@ -19,13 +34,13 @@ class StreamOptions(_Body):
 
 
 class _SamplingBody(_Body):
-    model: StrictStr
+    model: Text
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0.0, le=2.0)
     top_p: StrictFloat | StrictInt = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0)
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch.Generator range
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
@@ -57,12 +72,12 @@ class _SamplingBody(_Body):
 class CompletionBody(_SamplingBody):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does."""
 
-    prompt: StrictStr = Field(min_length=1)
+    prompt: Text = Field(min_length=1)
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    content: Text
 
 
 class ChatCompletionBody(_SamplingBody):
@@ -76,8 +91,8 @@ class ChatCompletionBody(_SamplingBody):
 class EmbeddingBody(_Body):
     """``POST /v1/embeddings``: one string or a list of strings."""
 
-    model: StrictStr
-    input: StrictStr | list[StrictStr]
+    model: Text
+    input: Text | list[Text]
     encoding_format: Literal["float", "base64"] = "float"
 
     @field_validator("input")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from buckets.request import EmbeddingRequest, ErrorEvent, GenerationRequest
 from gateway.engine import ServedModel
-from gateway.errors import APIError, invalid_request
+from gateway.errors import APIError, invalid_request, validation_error
 from gateway.logging import log_request_finished
 from gateway.router import Router
 from gateway.routes.generation import collect_response, stream_response
@@ -31,21 +31,50 @@ async def parse_body(request: Request[Any, Any, Any], schema: type[BodyT]) -> Bo
     """Parse and validate a JSON body.
 
     Raises:
-        APIError: 400 for malformed JSON or a field that fails validation (``param`` names it).
+        APIError: 400 for malformed JSON (too deeply nested or with too many digits included)
+            or a field that fails validation (``param`` names it, as a dotted path);
+            413 (from litestar) for a body over ``max_request_body_bytes``.
     """
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError and UnicodeDecodeError
         raise invalid_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object", code="invalid_json")
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or p != 0) or None
-        raise invalid_request(f"{param}: {err['msg']}", param=param) from None
+        raise validation_error(exc) from None
+
+
+def resolve_max_tokens(served: ServedModel, requested: int | None, default: int, param: str) -> int:
+    """The generation budget of one request: ``requested``, else ``default`` clipped to the cap.
+
+    Raises:
+        APIError: 400 naming ``param`` when ``requested`` exceeds the model's ``max_tokens_cap``.
+    """
+    cap = served.config.max_tokens_cap
+    if requested is None:
+        return default if cap is None else min(default, cap)
+    if cap is not None and requested > cap:
+        raise invalid_request(
+            f"{param} is {requested}, over the cap of {cap} tokens for the model '{served.config.name}'",
+            param=param,
+            code="max_tokens_exceeded",
+        )
+    return requested
+
+
+def check_num_inputs(served: ServedModel, num_inputs: int) -> None:
+    """Raises APIError 400 (``input``) when an embeddings request has more inputs than allowed."""
+    limit = served.config.max_embedding_inputs
+    if num_inputs > limit:
+        raise invalid_request(
+            f"input has {num_inputs} items; the model '{served.config.name}' takes at most {limit}",
+            param="input",
+            code="too_many_inputs",
+        )
 
 
 def _router(request: Request[Any, Any, Any]) -> Router:
@@ -67,7 +96,7 @@ class OpenAIController(Controller):
         router = _router(request)
         served = router.model(body.model, "generate")
         prompt_ids = await asyncio.to_thread(router.tokenize, served, body.prompt)
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        max_tokens = resolve_max_tokens(served, body.max_tokens, 16, "max_tokens")
         return await _generate(router, served, body, prompt_ids, max_tokens, "prompt", chat=False)
 
     @post("/chat/completions", status_code=200)
@@ -76,7 +105,8 @@ class OpenAIController(Controller):
         router = _router(request)
         served = router.model(body.model, "generate")
         prompt_ids = await asyncio.to_thread(router.tokenize_chat, served, body.messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens or router.default_max_tokens(served, len(prompt_ids))
+        param, requested = _chat_max_tokens(body)
+        max_tokens = resolve_max_tokens(served, requested, router.default_max_tokens(served, len(prompt_ids)), param)
         return await _generate(router, served, body, prompt_ids, max_tokens, "messages", chat=True)
 
     @post("/embeddings", status_code=200)
@@ -85,6 +115,7 @@ class OpenAIController(Controller):
         router = _router(request)
         served = router.model(body.model, "embed")
         texts = body.inputs()
+        check_num_inputs(served, len(texts))
         token_lists = await asyncio.to_thread(lambda: [router.tokenize(served, t) for t in texts])
         buckets = [router.route(served, len(ids), 0, "input") for ids in token_lists]
         results = await asyncio.gather(*(_embed_one(served, b, ids) for b, ids in zip(buckets, token_lists)))
@@ -93,6 +124,13 @@ class OpenAIController(Controller):
         num_tokens = sum(len(ids) for ids in token_lists)
         usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
         return {"object": "list", "data": data, "model": served.config.name, "usage": usage}
+
+
+def _chat_max_tokens(body: ChatCompletionBody) -> tuple[str, int | None]:
+    """Which field sets chat's budget: ``max_completion_tokens`` takes precedence over ``max_tokens``."""
+    if body.max_completion_tokens is not None:
+        return "max_completion_tokens", body.max_completion_tokens
+    return "max_tokens", body.max_tokens
 
 
 def _base64_floats(values: list[float]) -> str:

@@ -294,3 +294,33 @@ def test_validator_errors_start_with_the_full_field_path(edit: Any, path: str) -
     lines = config_error(data).splitlines()[1:]
     assert any(line.strip().startswith(f"{path}: ") for line in lines), lines
     assert not any("Value error" in line for line in lines), lines
+
+
+def test_request_limits_have_defaults() -> None:
+    config = parse_config(make_config_data())
+    assert config.max_request_body_bytes == 2 * 1024 * 1024
+    assert all(m.max_tokens_cap is None and m.max_embedding_inputs == 2048 for m in config.models)
+
+
+def test_request_limits_take_values_and_units() -> None:
+    data = make_config_data()
+    data["max_request_body_bytes"] = "64KiB"
+    data["models"][0]["max_tokens_cap"] = 128
+    data["models"][1]["max_embedding_inputs"] = 10
+    config = parse_config(data)
+    assert config.max_request_body_bytes == 64 * 1024
+    assert (config.models[0].max_tokens_cap, config.models[1].max_embedding_inputs) == (128, 10)
+
+
+@pytest.mark.parametrize(
+    ("edit", "path"),
+    [
+        (lambda d: d["models"][0].update(max_tokens_cap=0), "models.0.max_tokens_cap"),
+        (lambda d: d["models"][1].update(max_embedding_inputs=0), "models.1.max_embedding_inputs"),
+        (lambda d: d.update(max_request_body_bytes=0), "max_request_body_bytes"),
+    ],
+)
+def test_request_limits_must_be_positive(edit: Any, path: str) -> None:
+    data = make_config_data()
+    edit(data)
+    assert f"{path}: " in config_error(data)

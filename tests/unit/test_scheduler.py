@@ -520,7 +520,7 @@ def test_out_of_blocks_preempts_the_lowest_priority_latest_arrival() -> None:
     assert plan.num_preempted >= 1
     assert late.status is SequenceStatus.PREEMPTED  # priority 0 like early, but arrived later
     assert urgent.status is SequenceStatus.RUNNING
-    assert scheduler.waiting[0] is late and late.num_computed_tokens == 0
+    assert scheduler.waiting.peek() is late and late.num_computed_tokens == 0
     scheduler.postprocess(plan, sample_all(plan))
     run_until_done(scheduler)
     for seq in (urgent, early, late):
@@ -590,3 +590,21 @@ def test_add_refuses_a_sequence_that_can_never_fit() -> None:
     scheduler = make_scheduler(num_blocks=2, block_size=4)
     with pytest.raises(KVCapacityError, match="exceeds the KV pool's 8 tokens"):
         scheduler.add(make_sequence(make_request(5, max_tokens=4)))
+
+
+def test_waiting_sequences_join_by_effective_priority_with_aging() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    clock = scheduler.clock
+    assert isinstance(clock, FakeClock)
+    background = make_sequence(make_request(2, max_tokens=1, name="background", priority=2))
+    scheduler.add(background)  # arrives at t=0
+    clock.now = 5.0
+    urgent = make_sequence(make_request(2, max_tokens=1, name="urgent", priority=0))
+    scheduler.add(urgent)  # 2 levels more urgent, 5 s later: aging (10 s a level) leaves it ahead
+    plan, _ = run_step(scheduler)
+    assert plan.scheduled == [urgent]
+    clock.now = 30.0
+    late_urgent = make_sequence(make_request(2, max_tokens=1, name="late", priority=0))
+    scheduler.add(late_urgent)  # 30 s after background: background has aged past it
+    run_until_done(scheduler)
+    assert background.request.batches[0][0] < late_urgent.request.batches[0][0]

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from gateway.errors import validation_error
 from gateway.schemas import MAX_STOP_STRINGS, ChatCompletionBody, CompletionBody, EmbeddingBody
 
 
@@ -124,3 +125,48 @@ def test_embedding_inputs_normalise_to_a_list() -> None:
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
 def test_seed_out_of_generator_range_is_rejected(seed: int) -> None:
     assert rejected_field(CompletionBody, completion(seed=seed)) == {"seed"}
+
+
+def api_param(model: type, body: dict[str, Any]) -> str | None:
+    """Validate and return the ``param`` of the 400 the gateway would answer."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    error = validation_error(info.value)
+    assert (error.status_code, error.type) == (400, "invalid_request_error")
+    return error.param
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        (ChatCompletionBody, chat(messages=[{"role": "robot", "content": "x"}]), "messages.0.role"),
+        (ChatCompletionBody, chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]), "messages.1.role"),
+        (ChatCompletionBody, chat(messages=[{"role": "user", "content": ["x"]}]), "messages.0.content"),
+        (ChatCompletionBody, chat(messages=[["x"]]), "messages.0"),
+        (ChatCompletionBody, chat(messages=[]), "messages"),
+        (ChatCompletionBody, chat(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+        (ChatCompletionBody, chat(max_completion_tokens="5"), "max_completion_tokens"),
+        (EmbeddingBody, {"model": "m", "input": ["ok", 1]}, "input.1"),
+        (EmbeddingBody, {"model": "m", "input": 1}, "input"),
+        (CompletionBody, completion(stop=["a", None]), "stop.1"),
+        (CompletionBody, completion(prompt=""), "prompt"),
+        (CompletionBody, completion(temperature=float("inf")), "temperature"),
+        (CompletionBody, {"prompt": "x"}, "model"),
+    ],
+)
+def test_validation_errors_name_the_dotted_field_path(model: type, body: dict[str, Any], param: str) -> None:
+    assert api_param(model, body) == param
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        (CompletionBody, completion(prompt="a\ud800b"), "prompt"),
+        (ChatCompletionBody, chat(messages=[{"role": "user", "content": "\udfff"}]), "messages.0.content"),
+        (EmbeddingBody, {"model": "m", "input": ["ok", "\ud800"]}, "input.1"),
+        (CompletionBody, completion(stop=["\ud800"]), "stop.0"),
+        (CompletionBody, completion(model="\ud800"), "model"),
+    ],
+)
+def test_lone_surrogates_are_rejected(model: type, body: dict[str, Any], param: str) -> None:
+    assert api_param(model, body) == param
