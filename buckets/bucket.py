@@ -6,8 +6,9 @@ and a short request never waits behind a long prefill in the same queue.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from buckets.admission import AdmissionGate
 from buckets.batcher import Batcher
 from buckets.device_slice import DeviceSlice
 from buckets.request import Request
@@ -18,7 +19,9 @@ from buckets.stats import BucketStats
 class Bucket:
     """Requests of one model whose prompts hold at most ``max_input_tokens`` tokens
     (and more than the previous bucket's limit). ``max_seq_tokens`` bounds prompt + ``max_tokens``
-    of one request (a continuous bucket's whole KV pool); ``None``: no such bound."""
+    of one request (a continuous bucket's whole KV pool); ``None``: no such bound.
+    ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited) bound the requests submitted
+    and not yet started, and their prompt tokens (:class:`AdmissionGate`)."""
 
     name: str
     model_name: str
@@ -26,15 +29,31 @@ class Bucket:
     batcher: Batcher
     device_slice: DeviceSlice
     max_seq_tokens: int | None = None
+    max_queue_len: int = 1024
+    max_queued_tokens: int | None = None
+    gate: AdmissionGate = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.gate = AdmissionGate(self.max_queue_len, self.max_queued_tokens)
 
     def submit(self, request: Request) -> None:
-        """Queue a request on this bucket's batcher and wake its slice (thread-safe)."""
+        """Queue a request on this bucket's batcher and wake its slice (thread-safe).
+
+        Raises:
+            QueueFullError: the queue is at ``max_queue_len`` or ``max_queued_tokens``; nothing queued.
+        """
+        ticket = self.gate.admit(request.num_prompt_tokens)
         request.info["bucket"] = self.name
-        self.batcher.submit(request)
+        request.on_dequeue = ticket.release
+        try:
+            self.batcher.submit(request)
+        except BaseException:
+            ticket.release()
+            raise
         self.device_slice.notify()
 
     def stats(self) -> BucketStats:
-        return self.batcher.stats()
+        return replace(self.batcher.stats(), num_rejected=self.gate.num_rejected)
 
 
 class BucketTable:

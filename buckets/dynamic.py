@@ -97,6 +97,7 @@ class DynamicBatcher:
         batch: list[EmbeddingRequest] = []
         while self._queue and len(batch) < self.settings.max_batch_size:
             request = self._queue.popleft()
+            request.leave_queue()
             if request.is_cancelled:
                 self._counters.num_cancelled += 1
                 continue

@@ -15,3 +15,17 @@ class ShuttingDownError(BucketError):
 
 class KVCapacityError(BucketError):
     """A sequence needs more KV blocks than the bucket's whole pool holds; it could never finish."""
+
+
+class QueueFullError(BucketError):
+    """The bucket's queue is at ``max_queue_len`` or ``max_queued_tokens``; try again later.
+
+    Args:
+        reason: which limit and its value.
+        retry_after_s: whole seconds the client should wait, from the queue's recent drain rate.
+    """
+
+    def __init__(self, reason: str, retry_after_s: int):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s

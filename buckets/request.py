@@ -56,6 +56,9 @@ class Request:
     clock readings in seconds, and ``batches`` records ``(batch or step id, index in batch)`` for
     each forward the request took part in. Both are written by the worker and read by the
     gateway after the final event.
+
+    ``on_dequeue`` is called when the request leaves its bucket's queue (it starts, is dropped
+    or fails; :meth:`leave_queue`); the bucket sets it to release its admission ticket.
     """
 
     request_id: str
@@ -67,6 +70,7 @@ class Request:
     info: dict[str, Any] = field(default_factory=dict)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     seq_no: int = field(default_factory=lambda: next(_request_counter))
+    on_dequeue: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,7 +84,15 @@ class Request:
         """Ask the batcher to drop this request (client gone, deadline passed). Thread-safe."""
         self._cancelled.set()
 
+    def leave_queue(self) -> None:
+        """Called by the batcher when the request starts or is dropped; later calls do nothing."""
+        callback, self.on_dequeue = self.on_dequeue, None
+        if callback is not None:
+            callback()
+
     def emit(self, event: RequestEvent) -> None:
+        """Hand ``event`` to the sink; a request that emits has left its queue."""
+        self.leave_queue()
         self.sink(event)
 
 

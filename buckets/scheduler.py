@@ -166,6 +166,7 @@ class Scheduler:
             seq.num_computed_tokens = manager.allocate(seq.seq_id, token_ids, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
             self.waiting.pop()
+            seq.request.leave_queue()  # a no-op for a preempted sequence coming back
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = (seq, num_tokens)
@@ -237,6 +238,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING or seq.num_preemptions:
             self._released.append(seq.seq_id)  # the runner holds its sampler state
         seq.status = SequenceStatus.FINISHED
+        seq.request.leave_queue()
         seq.request.timeline["finished"] = self.clock()
         seq.request.info["outcome"] = outcome
 

@@ -18,7 +18,8 @@ class BucketStats:
     Continuous batchers also report their KV pool (``kv_blocks_used`` of ``kv_blocks_total``,
     blocks of ``kv_block_size`` tokens, ``kv_blocks_evictable`` of the free ones still holding
     prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions, and prefill
-    chunks that left part of a prompt for a later step.
+    chunks that left part of a prompt for a later step. ``num_rejected`` counts requests the
+    bucket refused because its queue was full (filled in by the bucket, not the batcher).
     """
 
     kind: str
@@ -41,6 +42,7 @@ class BucketStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_chunked_prefills: int = 0
+    num_rejected: int = 0
 
     @property
     def mean_batch_seqs(self) -> float:

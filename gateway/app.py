@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 
 
 def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[Any]:
-    return Response(exc.body(), status_code=exc.status_code)
+    return Response(exc.body(), status_code=exc.status_code, headers=exc.headers or None)
 
 
 # Codes for litestar's own HTTP errors, in OpenAI's style.

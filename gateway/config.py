@@ -79,6 +79,10 @@ class BucketConfig(_Strict):
     batcher: BatcherConfig
     slice: str = Field(min_length=1)
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
+    # Requests submitted and not yet started beyond these get a 429 with Retry-After at once;
+    # max_queued_tokens counts their prompt tokens (None: unlimited).
+    max_queue_len: int = Field(default=1024, ge=1)
+    max_queued_tokens: int | None = Field(default=None, ge=1)
 
     @property
     def bucket_name(self) -> str:

@@ -144,4 +144,7 @@ class Engine:
                 config.batcher.max_batch_size, config.batcher.max_queue_delay_ms, config.batcher.priority_aging_s
             ))
         max_seq_tokens = batcher.max_seq_tokens if isinstance(batcher, ContinuousBatcher) else None
-        return Bucket(config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens)
+        return Bucket(
+            config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens,
+            max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens,
+        )

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from buckets.errors import QueueFullError
+
 # Union members show up in pydantic's error locations as their type's name ("str",
 # "list[str]"); they are not request fields, so a ``param`` leaves them out.
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
@@ -27,15 +29,25 @@ class APIError(Exception):
         type: OpenAI error type (``invalid_request_error``, ``not_found_error``, ...).
         param: the request field at fault, if any.
         code: a short machine-readable code, if any.
+        headers: extra response headers (``Retry-After`` on a 429).
     """
 
-    def __init__(self, status_code: int, message: str, type: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -49,6 +61,15 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 def model_not_found(name: str) -> APIError:
     """404 for a model the gateway does not serve."""
     return APIError(404, f"The model '{name}' does not exist", "not_found_error", "model", "model_not_found")
+
+
+def queue_full(model: str, bucket: str, exc: QueueFullError) -> APIError:
+    """429 ``rate_limit_error`` (``queue_full``) with ``Retry-After`` in whole seconds."""
+    message = (
+        f"The queue of bucket '{bucket}' of '{model}' is full: {exc.reason}; retry after {exc.retry_after_s} s"
+    )
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    return APIError(429, message, "rate_limit_error", code="queue_full", headers=headers)
 
 
 def validation_error(exc: ValidationError) -> APIError:

@@ -14,9 +14,11 @@ from litestar import Controller, Request, get, post
 from litestar.response import Response, Stream
 from pydantic import BaseModel, ValidationError
 
-from buckets.request import EmbeddingRequest, ErrorEvent, GenerationRequest
+from buckets.bucket import Bucket
+from buckets.errors import QueueFullError
+from buckets.request import EmbeddingRequest, ErrorEvent, GenerationRequest, Request as CoreRequest
 from gateway.engine import ServedModel
-from gateway.errors import APIError, invalid_request, validation_error
+from gateway.errors import APIError, invalid_request, queue_full, validation_error
 from gateway.logging import log_request_finished
 from gateway.router import Router
 from gateway.routes.generation import collect_response, stream_response
@@ -118,7 +120,15 @@ class OpenAIController(Controller):
         check_num_inputs(served, len(texts))
         token_lists = await asyncio.to_thread(lambda: [router.tokenize(served, t) for t in texts])
         buckets = [router.route(served, len(ids), 0, "input") for ids in token_lists]
-        results = await asyncio.gather(*(_embed_one(served, b, ids) for b, ids in zip(buckets, token_lists)))
+        submitted: list[tuple[EmbeddingRequest, EventChannel]] = []
+        try:
+            for bucket, ids in zip(buckets, token_lists):
+                submitted.append(_submit_embedding(served, bucket, ids))
+        except APIError:
+            for queued, _ in submitted:
+                queued.cancel()  # all inputs or none: the batcher drops them unrun
+            raise
+        results = await asyncio.gather(*(_embed_one(served, r, c) for r, c in submitted))
         encode = _base64_floats if body.encoding_format == "base64" else list
         data = [{"object": "embedding", "index": i, "embedding": encode(emb)} for i, emb in enumerate(results)]
         num_tokens = sum(len(ids) for ids in token_lists)
@@ -138,11 +148,27 @@ def _base64_floats(values: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
 
 
-async def _embed_one(served: ServedModel, bucket: Any, token_ids: list[int]) -> list[float]:
+def submit(served: ServedModel, bucket: Bucket, request: CoreRequest) -> None:
+    """Queue ``request`` on ``bucket``.
+
+    Raises:
+        APIError: 429 ``queue_full`` with ``Retry-After`` when the bucket's queue is full.
+    """
+    try:
+        bucket.submit(request)
+    except QueueFullError as exc:
+        raise queue_full(served.config.name, bucket.name, exc) from None
+
+
+def _submit_embedding(served: ServedModel, bucket: Bucket, token_ids: list[int]) -> tuple[EmbeddingRequest, EventChannel]:
     channel = EventChannel()
     request = EmbeddingRequest(request_id=f"emb-{uuid.uuid4().hex}", prompt_token_ids=token_ids, sink=channel.sink)
     request.timeline["arrival"] = time.monotonic()
-    bucket.submit(request)
+    submit(served, bucket, request)
+    return request, channel
+
+
+async def _embed_one(served: ServedModel, request: EmbeddingRequest, channel: EventChannel) -> list[float]:
     try:
         async for event in channel.events():
             if isinstance(event, ErrorEvent):
@@ -180,7 +206,7 @@ async def _generate(
         ignore_eos=body.ignore_eos,
     )
     request.timeline["arrival"] = time.monotonic()
-    bucket.submit(request)
+    submit(served, bucket, request)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -31,15 +32,15 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("server") / "server.log"
 
 
-@pytest.fixture(scope="session")
-def server_url(server_log: Path) -> Iterator[str]:
-    """Start ``python -m gateway serve`` with the test config; yield its base URL."""
+@contextlib.contextmanager
+def run_server(config: Path, log_path: Path) -> Iterator[str]:
+    """Start ``python -m gateway serve --config config`` on a free port, logging to ``log_path``;
+    yield its base URL once ``/health`` answers; stop it on exit."""
     port = _free_port()
-    log_path = server_log
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--config", str(CONFIG), "--port", str(port), "--log-level", "info"],
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port), "--log-level", "info"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -65,6 +66,13 @@ def server_url(server_log: Path) -> Iterator[str]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server_url(server_log: Path) -> Iterator[str]:
+    """Start ``python -m gateway serve`` with the test config; yield its base URL."""
+    with run_server(CONFIG, server_log) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

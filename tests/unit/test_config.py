@@ -324,3 +324,15 @@ def test_request_limits_must_be_positive(edit: Any, path: str) -> None:
     data = make_config_data()
     edit(data)
     assert f"{path}: " in config_error(data)
+
+
+def test_queue_limits_have_defaults_and_are_validated() -> None:
+    config = parse_config(make_config_data())
+    bucket = config.models[0].buckets[0]
+    assert (bucket.max_queue_len, bucket.max_queued_tokens) == (1024, None)
+    data = make_config_data()
+    data["models"][1]["buckets"][0].update(max_queue_len=2, max_queued_tokens=500)
+    bucket = parse_config(data).models[1].buckets[0]
+    assert (bucket.max_queue_len, bucket.max_queued_tokens) == (2, 500)
+    data["models"][1]["buckets"][0]["max_queue_len"] = 0
+    assert "models.1.buckets.0.max_queue_len" in config_error(data)

@@ -1,0 +1,82 @@
+"""Counting a bucket's queued requests and refusing newcomers over its limits.
+
+Queued means submitted to the bucket and not yet started: a continuous request starts when the
+scheduler first admits its sequence, a dynamic one when its batch is taken. The event loop admits
+(:meth:`AdmissionGate.admit`), the worker releases (:meth:`Ticket.release`), so the counts sit
+behind a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from buckets.errors import QueueFullError
+from policies.admission import RateWindow, refusal_reason, retry_after_s
+
+
+class Ticket:
+    """One admitted request's place in the queue; :meth:`release` gives it back, once."""
+
+    def __init__(self, gate: AdmissionGate, num_tokens: int):
+        self._gate = gate
+        self.num_tokens = num_tokens
+        self.is_released = False
+
+    def release(self) -> None:
+        """Leave the queue (started, cancelled, failed or shut down). Idempotent, thread-safe."""
+        self._gate._release(self)
+
+
+class AdmissionGate:
+    """A bucket's ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited), and the
+    queue's drain rate over the last ``window_s`` seconds for ``Retry-After``.
+
+    Args:
+        clock: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        max_queue_len: int,
+        max_queued_tokens: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        window_s: float = 30.0,
+    ):
+        self.max_queue_len = max_queue_len
+        self.max_queued_tokens = max_queued_tokens
+        self.clock = clock
+        self.num_queued = 0
+        self.num_queued_tokens = 0
+        self.num_rejected = 0
+        self._drained = RateWindow(window_s, start_s=clock())
+        self._lock = threading.Lock()
+
+    def admit(self, num_tokens: int) -> Ticket:
+        """Count a request of ``num_tokens`` prompt tokens as queued.
+
+        Raises:
+            QueueFullError: a limit would be exceeded; carries the reason and a retry delay.
+        """
+        with self._lock:
+            reason = refusal_reason(
+                self.num_queued, self.num_queued_tokens, num_tokens, self.max_queue_len, self.max_queued_tokens
+            )
+            if reason is not None:
+                self.num_rejected += 1
+                wait_s = retry_after_s(self.num_queued, self._drained.rate_per_s(self.clock()))
+                raise QueueFullError(reason, wait_s)
+            self.num_queued += 1
+            self.num_queued_tokens += num_tokens
+            return Ticket(self, num_tokens)
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket.is_released:
+                return
+            ticket.is_released = True
+            self.num_queued -= 1
+            self.num_queued_tokens -= ticket.num_tokens
+            assert self.num_queued >= 0 and self.num_queued_tokens >= 0, "queue counts went negative"
+            self._drained.record(self.clock())

@@ -1,0 +1,79 @@
+"""Admission limits for a bucket's queue and the ``Retry-After`` a refused client is told.
+
+A bucket refuses a request when its queue (submitted, not yet started) would hold more than
+``max_queue_len`` requests or more than ``max_queued_tokens`` prompt tokens (Triton's
+``max_queue_size`` with a reject action). The wait it suggests is the queue's length over its
+recent drain rate: the time the requests ahead need to leave the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+
+def refusal_reason(
+    num_queued: int,
+    num_queued_tokens: int,
+    num_tokens: int,
+    max_queue_len: int,
+    max_queued_tokens: int | None,
+) -> str | None:
+    """Why a request of ``num_tokens`` prompt tokens may not join a queue; ``None``: it may.
+
+    Args:
+        num_queued: requests queued now.
+        num_queued_tokens: their prompt tokens.
+        num_tokens: the newcomer's prompt tokens.
+        max_queue_len: the most queued requests.
+        max_queued_tokens: the most queued prompt tokens; ``None``: no limit. A request larger
+            than the whole limit is still let into an empty queue, or it could never run.
+    Returns:
+        A reason naming the limit and its value, or ``None``.
+    """
+    if num_queued + 1 > max_queue_len:
+        return f"max_queue_len {max_queue_len} reached ({num_queued} requests queued)"
+    if max_queued_tokens is not None and num_queued and num_queued_tokens + num_tokens > max_queued_tokens:
+        return (
+            f"max_queued_tokens {max_queued_tokens} would be exceeded "
+            f"({num_queued_tokens} prompt tokens queued, {num_tokens} more asked)"
+        )
+    return None
+
+
+def retry_after_s(num_queued: int, drain_per_s: float, min_s: int = 1, max_s: int = 60) -> int:
+    """Whole seconds until ``num_queued`` requests leave a queue draining ``drain_per_s`` a second,
+    ``ceil(num_queued / drain_per_s)`` clamped to ``[min_s, max_s]``; ``max_s`` when nothing drained."""
+    if drain_per_s <= 0:
+        return max_s
+    return max(min_s, min(max_s, math.ceil(num_queued / drain_per_s)))
+
+
+class RateWindow:
+    """Events per second over the last ``window_s`` seconds (a sliding window of timestamps).
+
+    Args:
+        window_s: how far back events count.
+        start_s: when counting began (same clock as :meth:`record`); before ``window_s`` has
+            passed the rate is over the time since then (at least one second), not the whole window.
+    """
+
+    def __init__(self, window_s: float = 30.0, start_s: float = 0.0):
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s = window_s
+        self.start_s = start_s
+        self._times: collections.deque[float] = collections.deque()
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+        self._prune(now)
+
+    def rate_per_s(self, now: float) -> float:
+        self._prune(now)
+        span_s = max(1.0, min(self.window_s, now - self.start_s))
+        return len(self._times) / span_s
+
+    def _prune(self, now: float) -> None:
+        while self._times and self._times[0] <= now - self.window_s:
+            self._times.popleft()

@@ -1,0 +1,105 @@
+"""Admission control against a real server: a full bucket answers 429 at once, with Retry-After
+and an OpenAI-style body, for embeddings, completions and chat (streamed or not); never a hang.
+
+A second server runs here with tiny queues, so the session server's limits stay as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+
+EMBED_QUEUE_LEN = 2
+GENERATE_QUEUE_LEN = 1
+MAX_429_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def small_queue_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The test config with ``max_queue_len`` 2 on the first embedding bucket (whose batches wait
+    2 s) and 1 on the first generation bucket (one sequence at a time)."""
+    config = yaml.safe_load(CONFIG.read_text())
+    models = {m["name"]: m for m in config["models"]}
+    embed_bucket = models[EMBED_MODEL]["buckets"][0]
+    embed_bucket["max_queue_len"] = EMBED_QUEUE_LEN
+    embed_bucket["batcher"]["max_queue_delay_ms"] = 2000
+    generate_bucket = models[GENERATE_MODEL]["buckets"][0]
+    generate_bucket["max_queue_len"] = GENERATE_QUEUE_LEN
+    generate_bucket["batcher"]["max_num_seqs"] = 1
+    folder: Path = tmp_path_factory.mktemp("admission")
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with run_server(path, folder / "server.log") as url:
+        yield url
+
+
+async def _timed_post(client: httpx.AsyncClient, path: str, body: dict) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    response = await client.post(path, json=body)
+    return response, time.monotonic() - start
+
+
+def _burst(url: str, requests: list[tuple[str, dict]]) -> list[tuple[httpx.Response, float]]:
+    async def all_at_once() -> list[tuple[httpx.Response, float]]:
+        async with httpx.AsyncClient(base_url=f"{url}/v1", timeout=120) as client:
+            return await asyncio.gather(*(_timed_post(client, p, b) for p, b in requests))
+
+    return asyncio.run(all_at_once())
+
+
+def _check_burst(results: list[tuple[httpx.Response, float]], max_queue_len: int) -> None:
+    statuses = [r.status_code for r, _ in results]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(429) >= 1, statuses
+    assert statuses.count(200) >= max_queue_len, statuses
+    for response, elapsed_s in results:
+        if response.status_code != 429:
+            continue
+        assert elapsed_s < MAX_429_S, f"429 took {elapsed_s:.3f} s"
+        retry_after = response.headers["Retry-After"]
+        assert retry_after.isdigit() and int(retry_after) >= 1, retry_after
+        error = response.json()["error"]
+        assert error["type"] == "rate_limit_error"
+        assert error["code"] == "queue_full"
+        assert error["param"] is None
+        assert "max_queue_len" in error["message"]
+
+
+def test_embedding_burst_gets_429_with_retry_after(small_queue_url: str) -> None:
+    body = {"model": EMBED_MODEL, "input": "a short sentence"}
+    results = _burst(small_queue_url, [("/embeddings", body)] * (10 * EMBED_QUEUE_LEN))
+    _check_burst(results, EMBED_QUEUE_LEN)
+    stats = httpx.get(f"{small_queue_url}/stats").json()[EMBED_MODEL]
+    assert stats["le16"]["num_rejected"] == sum(r.status_code == 429 for r, _ in results)
+
+
+def test_generation_burst_gets_429_for_completions_and_chat(small_queue_url: str) -> None:
+    completion = {"model": GENERATE_MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    messages = [{"role": "user", "content": "Say hello"}]
+    chat = {"model": GENERATE_MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+    streamed = {**chat, "stream": True}
+    requests = [("/completions", completion), ("/chat/completions", chat), ("/chat/completions", streamed)] * 4
+    results = _burst(small_queue_url, requests)
+    _check_burst(results, GENERATE_QUEUE_LEN)
+    for (response, _), (_, body) in zip(results, requests):
+        if response.status_code == 200 and body.get("stream"):
+            assert response.text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_bucket_accepts_again_once_its_queue_drains(small_queue_url: str) -> None:
+    body = {"model": EMBED_MODEL, "input": "a short sentence"}
+    deadline = time.monotonic() + 30
+    while True:
+        response = httpx.post(f"{small_queue_url}/v1/embeddings", json=body, timeout=60)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert response.status_code == 200
