@@ -103,3 +103,28 @@ def test_a_bucket_accepts_again_once_its_queue_drains(small_queue_url: str) -> N
             break
         time.sleep(0.5)
     assert response.status_code == 200
+
+
+def test_a_retrying_client_gets_every_request_through_without_a_storm(small_queue_url: str) -> None:
+    """bench.retry against the real server: 8 requests into a queue of 2. Every one ends in 200,
+    some only after 429s, and no request tries more than its policy allows."""
+    import random
+
+    from bench.retry import RetryPolicy, send_with_retry
+
+    policy = RetryPolicy(max_attempts=12, base_delay_s=0.5, max_delay_s=3.0)
+
+    async def all_with_retry() -> list[tuple[httpx.Response, int]]:
+        async with httpx.AsyncClient(base_url=small_queue_url, timeout=60) as client:
+            body = {"model": EMBED_MODEL, "input": "retry me"}
+            return await asyncio.gather(
+                *(
+                    send_with_retry(lambda: client.post("/v1/embeddings", json=body), policy, random.Random(seed))
+                    for seed in range(8)
+                )
+            )
+
+    results = asyncio.run(all_with_retry())
+    assert [r.status_code for r, _ in results] == [200] * 8
+    attempts = [n for _, n in results]
+    assert max(attempts) > 1 and max(attempts) <= policy.max_attempts
