@@ -205,8 +205,10 @@ class Scheduler:
         finished: list[Sequence] = []
         now = self.clock()
         for seq, seq_input in zip(plan.scheduled, plan.forward.sequences):
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += len(seq_input.token_ids)
-            self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            if self._filled_a_block(before, seq.num_computed_tokens):
+                self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             token_id = output.sampled_token_ids.get(seq.seq_id)
             if token_id is None:
                 self.counters.num_chunked_prefills += 1
@@ -218,6 +220,12 @@ class Scheduler:
                 self._finish(seq, seq.finish_reason)
                 finished.append(seq)
         return finished
+
+    def _filled_a_block(self, before: int, after: int) -> bool:
+        """Whether computing positions ``before .. after`` completed a block worth caching (most
+        decode steps do not; skipping them spares copying the sequence's tokens every step)."""
+        block_size = self.block_manager.block_size
+        return self.settings.enable_prefix_caching and after // block_size > before // block_size
 
     def take_released(self) -> list[int]:
         """Ids released since the last plan, handed over once (for a final runner call on shutdown)."""
