@@ -12,8 +12,9 @@ import threading
 import time
 from typing import Callable
 
-from buckets.errors import QueueFullError
-from policies.admission import RateWindow, refusal_reason, retry_after_s
+from buckets.errors import DeadlineUnmeetableError, QueueFullError
+from policies.admission import BusyDrainRate, RateWindow, refusal_reason, retry_after_s
+from policies.deadlines import can_meet_deadline, expected_wait_s
 
 
 class Ticket:
@@ -31,7 +32,8 @@ class Ticket:
 
 class AdmissionGate:
     """A bucket's ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited), and the
-    queue's drain rate over the last ``window_s`` seconds for ``Retry-After``.
+    queue's drain rate: over busy time (:class:`BusyDrainRate`) for deadline-aware refusals and
+    ``Retry-After``, else over the last ``window_s`` seconds for ``Retry-After``.
 
     Args:
         clock: seconds, monotonic.
@@ -51,22 +53,37 @@ class AdmissionGate:
         self.num_queued_tokens = 0
         self.num_rejected = 0
         self._drained = RateWindow(window_s, start_s=clock())
+        self._busy_drain = BusyDrainRate()
         self._lock = threading.Lock()
 
-    def admit(self, num_tokens: int) -> Ticket:
-        """Count a request of ``num_tokens`` prompt tokens as queued.
+    def admit(self, num_tokens: int, timeout_s: float | None = None) -> Ticket:
+        """Count a request of ``num_tokens`` prompt tokens (that must start within ``timeout_s``
+        seconds; ``None``: no deadline) as queued.
 
         Raises:
+            DeadlineUnmeetableError: the queue's expected wait (requests ahead over the recent
+                drain rate) is already past ``timeout_s``.
             QueueFullError: a limit would be exceeded; carries the reason and a retry delay.
         """
         with self._lock:
             reason = refusal_reason(
                 self.num_queued, self.num_queued_tokens, num_tokens, self.max_queue_len, self.max_queued_tokens
             )
+            now = self.clock()
+            busy_drain_per_s = self._busy_drain.rate_per_s(now)
+            drain_per_s = busy_drain_per_s or self._drained.rate_per_s(now)
+            if reason is None and not can_meet_deadline(self.num_queued, busy_drain_per_s, timeout_s):
+                self.num_rejected += 1
+                wait_s = expected_wait_s(self.num_queued, busy_drain_per_s) or 0.0
+                raise DeadlineUnmeetableError(
+                    f"the expected queue wait of {wait_s:.1f} s ({self.num_queued} requests ahead) exceeds "
+                    f"the request's timeout of {timeout_s:g} s",
+                    retry_after_s(self.num_queued, drain_per_s),
+                )
             if reason is not None:
                 self.num_rejected += 1
-                wait_s = retry_after_s(self.num_queued, self._drained.rate_per_s(self.clock()))
-                raise QueueFullError(reason, wait_s)
+                raise QueueFullError(reason, retry_after_s(self.num_queued, drain_per_s))
+            self._busy_drain.on_enqueue(now, self.num_queued)
             self.num_queued += 1
             self.num_queued_tokens += num_tokens
             return Ticket(self, num_tokens)
@@ -79,4 +96,6 @@ class AdmissionGate:
             self.num_queued -= 1
             self.num_queued_tokens -= ticket.num_tokens
             assert self.num_queued >= 0 and self.num_queued_tokens >= 0, "queue counts went negative"
-            self._drained.record(self.clock())
+            now = self.clock()
+            self._drained.record(now)
+            self._busy_drain.on_dequeue(now, self.num_queued)

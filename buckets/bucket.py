@@ -41,8 +41,11 @@ class Bucket:
 
         Raises:
             QueueFullError: the queue is at ``max_queue_len`` or ``max_queued_tokens``; nothing queued.
+            DeadlineUnmeetableError: (a ``QueueFullError``) the queue's expected wait is past the
+                request's deadline; nothing queued.
         """
-        ticket = self.gate.admit(request.num_prompt_tokens)
+        timeout_s = None if request.deadline_s is None else request.deadline_s - self.gate.clock()
+        ticket = self.gate.admit(request.num_prompt_tokens, timeout_s)
         request.info["bucket"] = self.name
         request.on_dequeue = ticket.release
         try:

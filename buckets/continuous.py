@@ -77,7 +77,9 @@ class ContinuousBatcher:
 
     def step(self) -> None:
         self._take_inbox()
-        self._counters.num_cancelled += len(self.scheduler.drop_cancelled())
+        for seq in self.scheduler.drop_cancelled():
+            self._counters.count_cancelled(seq.request)
+        self._counters.num_timed_out += len(self.scheduler.drop_expired(self.clock()))
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return

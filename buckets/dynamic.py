@@ -14,11 +14,12 @@ from typing import Any, Callable
 
 import structlog
 
-from buckets.errors import BatchFailedError, ShuttingDownError
+from buckets.errors import BatchFailedError, DeadlineExceededError, ShuttingDownError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, Request
 from buckets.settings import DynamicBatcherSettings
 from buckets.stats import BucketStats, Counters
 from policies.batching import seconds_until_batch_closes
+from policies.deadlines import is_expired
 from policies.priority import effective_priority
 
 log = structlog.get_logger(__name__)
@@ -94,14 +95,22 @@ class DynamicBatcher:
         self._fail(pending, ShuttingDownError("the bucket stopped before the request finished"))
 
     def _take_batch(self) -> list[EmbeddingRequest]:
+        """Up to ``max_batch_size`` queued requests, skipping cancelled ones and failing expired
+        ones (:class:`~buckets.errors.DeadlineExceededError`)."""
         batch: list[EmbeddingRequest] = []
+        now = self.clock()
         while self._queue and len(batch) < self.settings.max_batch_size:
             request = self._queue.popleft()
             request.leave_queue()
             if request.is_cancelled:
-                self._counters.num_cancelled += 1
-                continue
-            batch.append(request)
+                self._counters.count_cancelled(request)
+            elif is_expired(request.deadline_s, now):
+                self._counters.num_timed_out += 1
+                request.info["outcome"] = "timeout"
+                waited_s = now - request.timeline["enqueued"]
+                request.emit(ErrorEvent(DeadlineExceededError(f"the request's deadline passed after {waited_s:.3f} s queued")))
+            else:
+                batch.append(request)
         return batch
 
     def _fail(self, requests: list[EmbeddingRequest], error: Exception) -> None:

@@ -29,3 +29,11 @@ class QueueFullError(BucketError):
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+
+
+class DeadlineUnmeetableError(QueueFullError):
+    """The bucket's expected queue wait already exceeds the request's timeout; it would expire queued."""
+
+
+class DeadlineExceededError(BucketError):
+    """The request's deadline passed before it produced anything; it was dropped and its blocks freed."""

@@ -18,7 +18,8 @@ from models.step_io import SamplingParams
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New generated text. ``finish_reason`` is set on the last event (``stop`` or ``length``)."""
+    """New generated text. ``finish_reason`` is set on the last event: ``stop``, ``length``, or
+    ``timeout`` (the deadline passed after some tokens; that last event may carry no new token)."""
 
     text: str
     token_ids: list[int]
@@ -46,6 +47,7 @@ RequestEvent = TokenEvent | EmbeddingEvent | ErrorEvent
 Sink = Callable[[RequestEvent], None]
 
 _request_counter = itertools.count()
+_cancel_lock = threading.Lock()
 
 
 @dataclass
@@ -57,6 +59,9 @@ class Request:
     each forward the request took part in. Both are written by the worker and read by the
     gateway after the final event.
 
+    ``deadline_s`` is when the request times out (monotonic seconds, the batcher's clock;
+    ``None``: never): the batcher drops it then, queued or running, and frees what it held.
+
     ``on_dequeue`` is called when the request leaves its bucket's queue (it starts, is dropped
     or fails; :meth:`leave_queue`); the bucket sets it to release its admission ticket.
     """
@@ -65,10 +70,12 @@ class Request:
     prompt_token_ids: list[int]
     sink: Sink
     priority: int = 0
+    deadline_s: float | None = None
     timeline: dict[str, float] = field(default_factory=dict)
     batches: list[tuple[int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel_reason: str = field(default="cancelled", repr=False)
     seq_no: int = field(default_factory=lambda: next(_request_counter))
     on_dequeue: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -80,9 +87,18 @@ class Request:
     def is_cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def cancel(self) -> None:
-        """Ask the batcher to drop this request (client gone, deadline passed). Thread-safe."""
-        self._cancelled.set()
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why it was cancelled (``"cancelled"``: client gone or done with; ``"timeout"``), or ``None``."""
+        return self._cancel_reason if self._cancelled.is_set() else None
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the batcher to drop this request (client gone: ``"cancelled"``; deadline passed:
+        ``"timeout"``). The first reason given stands. Thread-safe."""
+        with _cancel_lock:
+            if not self._cancelled.is_set():
+                self._cancel_reason = reason
+                self._cancelled.set()
 
     def leave_queue(self) -> None:
         """Called by the batcher when the request starts or is dropped; later calls do nothing."""

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from buckets.block_manager import BlockManager
-from buckets.errors import KVCapacityError
+from buckets.errors import DeadlineExceededError, KVCapacityError
+from buckets.request import ErrorEvent
 from buckets.sequence import Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
 from models.step_io import ForwardInput, ForwardOutput, SequenceInput
+from policies.deadlines import is_expired
 from policies.preemption import pick_victim
 from policies.priority import AgingPriorityQueue, priority_key
 
@@ -107,11 +109,32 @@ class Scheduler:
         self._enqueue(seq)
 
     def drop_cancelled(self) -> list[Sequence]:
-        """Remove cancelled sequences from both queues; their blocks return to the pool at once."""
+        """Remove cancelled sequences from both queues; their blocks return to the pool at once.
+        Their outcome is the reason they were cancelled for (``cancelled`` or ``timeout``)."""
         dropped = [s for s in itertools.chain(self.waiting, self.running) if s.request.is_cancelled]
         for seq in dropped:
-            self._finish(seq, "cancelled")
+            self._finish(seq, seq.request.cancel_reason or "cancelled")
         return dropped
+
+    def drop_expired(self, now: float) -> list[Sequence]:
+        """End the sequences whose deadline has passed at ``now``; their blocks return at once.
+
+        One with outputs gets a last event with ``finish_reason="timeout"`` (what it generated
+        stands); one without (queued, or still in prefill) gets an error event carrying
+        :class:`~buckets.errors.DeadlineExceededError`.
+        """
+        expired = [
+            s for s in itertools.chain(self.waiting, self.running) if is_expired(s.request.deadline_s, now)
+        ]
+        for seq in expired:
+            self._finish(seq, "timeout")
+            if seq.output_token_ids:
+                seq.request.emit(seq.finish_timeout())
+            else:
+                seq.request.emit(ErrorEvent(DeadlineExceededError(
+                    f"the request's deadline passed after {now - seq.arrival_s:.3f} s, before its first token"
+                )))
+        return expired
 
     def schedule(self) -> StepPlan:
         """Plan the next step (decodes, then prefill chunks, then new sequences)."""

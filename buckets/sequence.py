@@ -64,6 +64,19 @@ class Sequence:
         """The next ``num_tokens`` tokens not yet in the KV cache (a prompt chunk, or the last sampled token)."""
         return self.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + num_tokens]
 
+    def finish_timeout(self) -> TokenEvent:
+        """End a sequence that has outputs because its deadline passed: the last event, with
+        ``finish_reason="timeout"`` and the text held back so far (no new token)."""
+        self.finish_reason = "timeout"
+        text = self._detokenizer.update(self.output_token_ids, is_last=True)
+        return TokenEvent(
+            text=text,
+            token_ids=[],
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_completion_tokens=len(self.output_token_ids),
+        )
+
     def append_token(self, token_id: int) -> TokenEvent:
         """Add a sampled token, detect the end (EOS, stop string, ``max_tokens``), and return
         the event to emit. Sets :attr:`finish_reason` when the sequence ends."""

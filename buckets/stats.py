@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from buckets.request import Request
+
 
 @dataclass(frozen=True)
 class BucketStats:
@@ -18,7 +20,8 @@ class BucketStats:
     Continuous batchers also report their KV pool (``kv_blocks_used`` of ``kv_blocks_total``,
     blocks of ``kv_block_size`` tokens, ``kv_blocks_evictable`` of the free ones still holding
     prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions, and prefill
-    chunks that left part of a prompt for a later step. ``num_rejected`` counts requests the
+    chunks that left part of a prompt for a later step. ``num_timed_out`` counts requests
+    dropped because their deadline passed (queued or running). ``num_rejected`` counts requests the
     bucket refused because its queue was full (filled in by the bucket, not the batcher).
     """
 
@@ -34,6 +37,7 @@ class BucketStats:
     num_finished: int
     num_cancelled: int
     num_failed: int
+    num_timed_out: int
     kv_block_size: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
@@ -76,6 +80,14 @@ class Counters:
     num_finished: int = 0
     num_cancelled: int = 0
     num_failed: int = 0
+    num_timed_out: int = 0
+
+    def count_cancelled(self, request: Request) -> None:
+        """Count a request dropped after :meth:`Request.cancel`, as timed out or cancelled by its reason."""
+        if request.cancel_reason == "timeout":
+            self.num_timed_out += 1
+        else:
+            self.num_cancelled += 1
 
     def record_batch(self, num_seqs: int, num_tokens: int, num_padding_tokens: int = 0) -> None:
         self.num_steps += 1

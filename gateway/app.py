@@ -17,6 +17,7 @@ from buckets.bucket import Bucket
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import APIError
+from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
 from gateway.routes.openai import OpenAIController
 
@@ -89,6 +90,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         state=_state(engine),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
         request_max_body_size=int(config.max_request_body_bytes),
+        plugins=[RequestBodySchemas()],
     )
 
 

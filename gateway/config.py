@@ -102,6 +102,10 @@ class ModelConfig(_Strict):
     max_tokens_cap: int | None = Field(default=None, ge=1)
     # The most strings in one embeddings request's ``input`` list (OpenAI's limit).
     max_embedding_inputs: int = Field(default=2048, ge=1)
+    # A request's ``timeout`` when its body sets none, and the most it may set (seconds; None: no
+    # default deadline / no cap). Without a body timeout the default is clipped to the cap.
+    default_timeout_s: float | None = Field(default=None, gt=0)
+    max_timeout_s: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "ModelConfig":
@@ -133,9 +137,16 @@ class GatewayConfig(_Strict):
     cache_dir: str | None = None
     # A larger request body gets a 413 before it is parsed ("2MiB" or bytes).
     max_request_body_bytes: ByteSize = Field(default=ByteSize(2 * 1024 * 1024), gt=0)
+    # The ``priority`` values a request may carry (lower is more urgent); outside: 400.
+    min_priority: int = -1000
+    max_priority: int = 1000
+    # Seconds a draining model asks clients to wait (Retry-After on its 503s).
+    drain_retry_after_s: int = Field(default=5, ge=1, le=3600)
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":
+        if self.min_priority > self.max_priority:
+            raise ValueError(f"min_priority: {self.min_priority} is above max_priority {self.max_priority}")
         slice_names = [s.name for s in self.slices]
         if len(set(slice_names)) != len(slice_names):
             raise ValueError(f"slices: names must be unique, got {slice_names}")

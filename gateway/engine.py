@@ -63,11 +63,16 @@ def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dic
 
 @dataclass
 class ServedModel:
-    """A loaded model and the bucket table requests are routed through."""
+    """A loaded model and the bucket table requests are routed through.
+
+    ``draining`` is set while the model is being unloaded or the gateway stops: it takes no new
+    requests (503 with ``Retry-After``) while those in flight finish.
+    """
 
     config: ModelConfig
     loaded: LoadedModel
     table: BucketTable
+    draining: bool = False
 
 
 class Engine:

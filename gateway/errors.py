@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from buckets.errors import QueueFullError
+from buckets.errors import DeadlineUnmeetableError, QueueFullError
 
 # Union members show up in pydantic's error locations as their type's name ("str",
 # "list[str]"); they are not request fields, so a ``param`` leaves them out.
@@ -64,12 +64,35 @@ def model_not_found(name: str) -> APIError:
 
 
 def queue_full(model: str, bucket: str, exc: QueueFullError) -> APIError:
-    """429 ``rate_limit_error`` (``queue_full``) with ``Retry-After`` in whole seconds."""
+    """429 ``rate_limit_error`` with ``Retry-After`` in whole seconds: ``queue_full``, or
+    ``queue_wait_exceeds_timeout`` when the queue's expected wait is past the request's timeout."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, DeadlineUnmeetableError):
+        message = f"Bucket '{bucket}' of '{model}' cannot start the request in time: {exc.reason}"
+        return APIError(429, message, "rate_limit_error", code="queue_wait_exceeds_timeout", headers=headers)
     message = (
         f"The queue of bucket '{bucket}' of '{model}' is full: {exc.reason}; retry after {exc.retry_after_s} s"
     )
-    headers = {"Retry-After": str(exc.retry_after_s)}
     return APIError(429, message, "rate_limit_error", code="queue_full", headers=headers)
+
+
+def deadline_exceeded(waited_s: float) -> APIError:
+    """504 ``timeout``: the request's deadline passed before it produced anything."""
+    return APIError(
+        504, f"The request timed out after {waited_s:.2f} s, before its first token", "timeout_error", code="timeout"
+    )
+
+
+def model_unavailable(name: str, retry_after_s: int) -> APIError:
+    """503 ``model_unavailable`` with ``Retry-After``: the model is draining or unloaded."""
+    return APIError(
+        503,
+        f"The model '{name}' is draining or unloaded and takes no new requests; retry after {retry_after_s} s",
+        "service_unavailable_error",
+        param="model",
+        code="model_unavailable",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 def validation_error(exc: ValidationError) -> APIError:

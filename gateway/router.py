@@ -8,7 +8,7 @@ import uuid
 
 from buckets.bucket import Bucket
 from gateway.engine import Engine, ServedModel
-from gateway.errors import invalid_request, model_not_found
+from gateway.errors import invalid_request, model_not_found, model_unavailable
 from gateway.schemas import ChatMessage
 
 
@@ -26,11 +26,14 @@ class Router:
         """The served model called ``name`` for ``task``.
 
         Raises:
-            APIError: 404 for an unknown model; 400 when it does not serve ``task``.
+            APIError: 404 for an unknown model; 503 with ``Retry-After`` while it drains; 400
+                when it does not serve ``task``.
         """
         served = self.engine.models.get(name)
         if served is None:
             raise model_not_found(name)
+        if served.draining:
+            raise model_unavailable(name, self.engine.config.drain_retry_after_s)
         if served.config.task != task:
             raise invalid_request(f"The model '{name}' does not support {task}", param="model", code="wrong_task")
         return served

@@ -9,6 +9,7 @@ from pydantic import (
 )
 
 MAX_STOP_STRINGS = 4
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 def _encodable(text: str) -> str:
@@ -44,7 +45,10 @@ class _SamplingBody(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
+    # Lower is more urgent (vLLM's convention); the config bounds it.
     priority: StrictInt = 0
+    # Seconds until the request times out (Sluice's extension); the model's config sets a default and a cap.
+    timeout: StrictFloat | StrictInt | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     ignore_eos: StrictBool = False
     # vLLM's extension: also return prompt and completion token ids in each choice.
     return_token_ids: StrictBool = False
@@ -94,6 +98,8 @@ class EmbeddingBody(_Body):
     model: Text
     input: Text | list[Text]
     encoding_format: Literal["float", "base64"] = "float"
+    priority: StrictInt = 0
+    timeout: StrictFloat | StrictInt | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
 
     @field_validator("input")
     @classmethod

@@ -51,6 +51,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # Drop a token when the tokens before it already reach top_p; the top token always stays.
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+        drop_sorted[0] = False  # a top_p below float32's smallest value would otherwise drop it
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token.
 
-    ``temperature == 0`` is greedy (argmax). ``top_k == 0`` and ``top_p == 1`` turn those filters
+    ``temperature`` below ``GREEDY_TEMPERATURE`` is greedy (argmax). ``top_k == 0`` and ``top_p == 1`` turn those filters
     off. ``seed`` makes sampling reproducible per request, whatever else shares the batch.
     """
 
@@ -20,7 +23,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_TEMPERATURE`` pick the argmax (as vLLM's ``_SAMPLING_EPS``):
+        dividing float32 logits by them would give 0/0 for the top token."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

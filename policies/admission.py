@@ -77,3 +77,40 @@ class RateWindow:
     def _prune(self, now: float) -> None:
         while self._times and self._times[0] <= now - self.window_s:
             self._times.popleft()
+
+
+class BusyDrainRate:
+    """How fast a queue drains while it holds requests: dequeues per second of busy time over the
+    last ``window`` dequeues, idle stretches left out (a bucket idle for most of a minute would
+    otherwise look slow). The interval in progress counts too, so a stuck queue looks slow.
+
+    The caller reports each enqueue and dequeue with the queue length around it.
+
+    Args:
+        window: how many recent dequeue intervals count.
+        min_samples: fewer recorded intervals than this give a rate of 0 (unknown).
+    """
+
+    def __init__(self, window: int = 32, min_samples: int = 4):
+        if window < 1 or min_samples < 1:
+            raise ValueError(f"window and min_samples must be at least 1, got {window}, {min_samples}")
+        self.min_samples = min_samples
+        self._intervals: collections.deque[float] = collections.deque(maxlen=window)
+        self._busy_since: float | None = None
+
+    def on_enqueue(self, now: float, num_queued_before: int) -> None:
+        if num_queued_before == 0 and self._busy_since is None:
+            self._busy_since = now
+
+    def on_dequeue(self, now: float, num_queued_after: int) -> None:
+        if self._busy_since is not None:
+            self._intervals.append(max(0.0, now - self._busy_since))
+        self._busy_since = now if num_queued_after > 0 else None
+
+    def rate_per_s(self, now: float) -> float:
+        """Dequeues per busy second; 0.0 while fewer than ``min_samples`` intervals are known."""
+        if len(self._intervals) < self.min_samples:
+            return 0.0
+        in_progress_s = now - self._busy_since if self._busy_since is not None else 0.0
+        busy_s = sum(self._intervals) + in_progress_s
+        return len(self._intervals) / busy_s if busy_s > 0 else float("inf")

@@ -1,4 +1,4 @@
-"""Turning a generation request's token events into OpenAI responses (whole or SSE chunks)."""
+"""Turning a request's events into OpenAI responses (whole or SSE chunks), deadlines and hang-ups included."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from buckets.request import ErrorEvent, GenerationRequest, TokenEvent
+from buckets.errors import DeadlineExceededError
+from buckets.request import ErrorEvent, GenerationRequest, Request as CoreRequest, RequestEvent, TokenEvent
 from gateway.engine import ServedModel
-from gateway.errors import APIError
+from gateway.errors import APIError, deadline_exceeded
 from gateway.logging import log_request_finished
-from gateway.streams import EventChannel
+from gateway.streams import ChannelItem, EventChannel, Interrupt, RequestWatch
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -27,45 +28,103 @@ def _envelope(served: ServedModel, request: GenerationRequest, chat: bool, chunk
     return {"id": request.request_id, "object": kind, "created": int(time.time()), "model": served.config.name}
 
 
-async def collect_response(
-    served: ServedModel, request: GenerationRequest, channel: EventChannel, chat: bool, return_token_ids: bool = False
-) -> dict[str, Any]:
-    """Wait for the whole generation; return the completion object.
+async def first_event(
+    served: ServedModel, request: CoreRequest, channel: EventChannel, watch: RequestWatch
+) -> RequestEvent:
+    """Wait for the request's first event (its first token, or its embedding).
 
     Raises:
-        APIError: 500 when the core failed the request.
+        APIError: 504 ``timeout`` when the deadline passed first; 499 when the client hung up
+            first; 500 when the core failed the request. In each case the request is cancelled,
+            the watch closed and the outcome logged.
+    """
+    try:
+        item = await channel.next()
+    except BaseException:
+        request.cancel()
+        watch.close()
+        raise
+    if isinstance(item, (Interrupt, ErrorEvent)):
+        request.cancel()
+        watch.close()
+        raise _failure(served, request, item)
+    return item
+
+
+def _failure(served: ServedModel, request: CoreRequest, item: Interrupt | ErrorEvent) -> APIError:
+    """Log a request that ended without a result, and the error its client gets."""
+    model = served.config.name
+    if isinstance(item, Interrupt) and item.reason == "disconnected":
+        log_request_finished(model, request, 0, "cancelled")
+        return APIError(499, "the client closed the request", "invalid_request_error", code="client_closed_request")
+    if isinstance(item, Interrupt) or isinstance(item.error, DeadlineExceededError):
+        log_request_finished(model, request, 0, "timeout")
+        waited_s = time.monotonic() - request.timeline.get("arrival", time.monotonic())
+        return deadline_exceeded(waited_s)
+    log_request_finished(model, request, 0, "error")
+    return APIError(500, f"request failed: {item.error}", "server_error")
+
+
+async def collect_response(
+    served: ServedModel,
+    request: GenerationRequest,
+    channel: EventChannel,
+    chat: bool,
+    first: TokenEvent,
+    watch: RequestWatch,
+    return_token_ids: bool = False,
+) -> dict[str, Any]:
+    """Gather the whole generation, from its ``first`` event on; return the completion object.
+
+    A deadline that passes mid-generation ends it with ``finish_reason="timeout"`` and what was
+    generated so far.
+
+    Raises:
+        APIError: 500 when the core failed the request; 499 when the client hung up.
     """
     pieces: list[str] = []
     token_ids: list[int] = []
-    last: TokenEvent | None = None
+    num_completion_tokens = 0
+    finish_reason: str | None = None
+    item: ChannelItem = first
     try:
-        async for event in channel.events():
-            if isinstance(event, ErrorEvent):
-                log_request_finished(served.config.name, request, 0, "error")
-                raise APIError(500, f"generation failed: {event.error}", "server_error")
-            assert isinstance(event, TokenEvent)
-            pieces.append(event.text)
-            token_ids.extend(event.token_ids)
-            last = event
+        while True:
+            if isinstance(item, Interrupt) and item.reason == "timeout":
+                finish_reason = "timeout"
+                break
+            if isinstance(item, (Interrupt, ErrorEvent)):
+                raise _failure(served, request, item)
+            assert isinstance(item, TokenEvent)
+            pieces.append(item.text)
+            token_ids.extend(item.token_ids)
+            num_completion_tokens = item.num_completion_tokens
+            if item.finish_reason is not None:
+                finish_reason = item.finish_reason
+                break
+            item = await channel.next()
     finally:
+        watch.close()
         request.cancel()  # no-op once finished; frees the sequence if the client went away
-    assert last is not None
-    log_request_finished(served.config.name, request, last.num_completion_tokens, "ok")
+    log_request_finished(served.config.name, request, num_completion_tokens, _outcome(finish_reason))
     text = "".join(pieces)
     if chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "logprobs": None,
-            "finish_reason": last.finish_reason,
+            "finish_reason": finish_reason,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     if return_token_ids:
         choice.update(prompt_token_ids=request.prompt_token_ids, token_ids=token_ids)
     body = _envelope(served, request, chat, chunk=False)
-    body.update(choices=[choice], usage=_usage(last.num_prompt_tokens, last.num_completion_tokens))
+    body.update(choices=[choice], usage=_usage(request.num_prompt_tokens, num_completion_tokens))
     return body
+
+
+def _outcome(finish_reason: str | None) -> str:
+    return "timeout" if finish_reason == "timeout" else "ok"
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -87,31 +146,50 @@ def _chunk(served: ServedModel, request: GenerationRequest, chat: bool, text: st
 
 
 async def stream_response(
-    served: ServedModel, request: GenerationRequest, channel: EventChannel, chat: bool, include_usage: bool
+    served: ServedModel,
+    request: GenerationRequest,
+    channel: EventChannel,
+    chat: bool,
+    include_usage: bool,
+    first: TokenEvent,
+    watch: RequestWatch,
 ) -> AsyncIterator[str]:
-    """SSE events: a chunk per text delta, the last one with ``finish_reason``, optionally a
-    usage chunk, then ``data: [DONE]``. A client that disconnects cancels the request."""
+    """SSE events from the ``first`` event on: a chunk per text delta, the last one with
+    ``finish_reason`` (``timeout`` when the deadline passed mid-generation), optionally a usage
+    chunk, then ``data: [DONE]``. A client that disconnects cancels the request."""
     outcome, completion_tokens = "cancelled", 0
+    item: ChannelItem = first
     try:
         if chat:
             yield _chunk(served, request, chat, "", None, role=True)
-        async for event in channel.events():
-            if isinstance(event, ErrorEvent):
+        while True:
+            if isinstance(item, Interrupt) and item.reason != "timeout":
+                break  # the client hung up before the stream began
+            if isinstance(item, Interrupt):
+                outcome = "timeout"
+                yield _chunk(served, request, chat, None if chat else "", "timeout")
+                finish_reason: str | None = "timeout"
+            elif isinstance(item, ErrorEvent):
                 outcome = "error"
-                error = APIError(500, f"generation failed: {event.error}", "server_error")
+                error = APIError(500, f"generation failed: {item.error}", "server_error")
                 yield _sse(error.body())
                 break
-            assert isinstance(event, TokenEvent)
-            completion_tokens = event.num_completion_tokens
-            if event.text or event.finish_reason:
-                yield _chunk(served, request, chat, event.text, event.finish_reason)
-            if event.finish_reason is not None:
-                outcome = "ok"
+            else:
+                completion_tokens = item.num_completion_tokens
+                finish_reason = item.finish_reason
+                if item.text or finish_reason:
+                    yield _chunk(served, request, chat, item.text, finish_reason)
+                if finish_reason is not None:
+                    outcome = _outcome(finish_reason)
+            if finish_reason is not None:
                 if include_usage:
                     usage = _envelope(served, request, chat, chunk=True)
-                    usage.update(choices=[], usage=_usage(event.num_prompt_tokens, event.num_completion_tokens))
+                    usage.update(choices=[], usage=_usage(request.num_prompt_tokens, completion_tokens))
                     yield _sse(usage)
+                break
+            item = await channel.next()
         yield _sse("[DONE]")
     finally:
+        watch.close()
         request.cancel()
         log_request_finished(served.config.name, request, completion_tokens, outcome)

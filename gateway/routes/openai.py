@@ -16,15 +16,16 @@ from pydantic import BaseModel, ValidationError
 
 from buckets.bucket import Bucket
 from buckets.errors import QueueFullError
-from buckets.request import EmbeddingRequest, ErrorEvent, GenerationRequest, Request as CoreRequest
+from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest, TokenEvent
 from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, queue_full, validation_error
 from gateway.logging import log_request_finished
 from gateway.router import Router
-from gateway.routes.generation import collect_response, stream_response
+from gateway.routes.generation import collect_response, first_event, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
-from gateway.streams import EventChannel
+from gateway.streams import EventChannel, RequestWatch
 from models.step_io import SamplingParams
+from policies.deadlines import TimeoutOverCapError, resolve_timeout_s
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -68,6 +69,31 @@ def resolve_max_tokens(served: ServedModel, requested: int | None, default: int,
     return requested
 
 
+def resolve_deadline_s(served: ServedModel, requested_s: float | None, arrival_s: float) -> float | None:
+    """The request's deadline (``time.monotonic()`` seconds; ``None``: none) from its body's
+    ``timeout`` and the model's ``default_timeout_s`` and ``max_timeout_s``.
+
+    Raises:
+        APIError: 400 (``timeout``, ``timeout_exceeded``) over the model's cap.
+    """
+    try:
+        timeout_s = resolve_timeout_s(requested_s, served.config.default_timeout_s, served.config.max_timeout_s)
+    except TimeoutOverCapError as exc:
+        raise invalid_request(f"{exc} for the model '{served.config.name}'", param="timeout", code="timeout_exceeded") from None
+    return None if timeout_s is None else arrival_s + timeout_s
+
+
+def check_priority(router: Router, priority: int) -> None:
+    """Raises APIError 400 (``priority``) outside the configured ``[min_priority, max_priority]``."""
+    low, high = router.engine.config.min_priority, router.engine.config.max_priority
+    if not low <= priority <= high:
+        raise invalid_request(
+            f"priority is {priority}; it must lie in [{low}, {high}] (lower is more urgent)",
+            param="priority",
+            code="priority_out_of_range",
+        )
+
+
 def check_num_inputs(served: ServedModel, num_inputs: int) -> None:
     """Raises APIError 400 (``input``) when an embeddings request has more inputs than allowed."""
     limit = served.config.max_embedding_inputs
@@ -94,28 +120,37 @@ class OpenAIController(Controller):
 
     @post("/completions", status_code=200)
     async def completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+        arrival_s = time.monotonic()
         body = await parse_body(request, CompletionBody)
         router = _router(request)
         served = router.model(body.model, "generate")
+        check_priority(router, body.priority)
+        deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         prompt_ids = await asyncio.to_thread(router.tokenize, served, body.prompt)
         max_tokens = resolve_max_tokens(served, body.max_tokens, 16, "max_tokens")
-        return await _generate(router, served, body, prompt_ids, max_tokens, "prompt", chat=False)
+        return await _generate(request, router, served, body, prompt_ids, max_tokens, "prompt", chat=False, arrival_s=arrival_s, deadline_s=deadline_s)
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+        arrival_s = time.monotonic()
         body = await parse_body(request, ChatCompletionBody)
         router = _router(request)
         served = router.model(body.model, "generate")
+        check_priority(router, body.priority)
+        deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         prompt_ids = await asyncio.to_thread(router.tokenize_chat, served, body.messages)
         param, requested = _chat_max_tokens(body)
         max_tokens = resolve_max_tokens(served, requested, router.default_max_tokens(served, len(prompt_ids)), param)
-        return await _generate(router, served, body, prompt_ids, max_tokens, "messages", chat=True)
+        return await _generate(request, router, served, body, prompt_ids, max_tokens, "messages", chat=True, arrival_s=arrival_s, deadline_s=deadline_s)
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        arrival_s = time.monotonic()
         body = await parse_body(request, EmbeddingBody)
         router = _router(request)
         served = router.model(body.model, "embed")
+        check_priority(router, body.priority)
+        deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         texts = body.inputs()
         check_num_inputs(served, len(texts))
         token_lists = await asyncio.to_thread(lambda: [router.tokenize(served, t) for t in texts])
@@ -123,12 +158,19 @@ class OpenAIController(Controller):
         submitted: list[tuple[EmbeddingRequest, EventChannel]] = []
         try:
             for bucket, ids in zip(buckets, token_lists):
-                submitted.append(_submit_embedding(served, bucket, ids))
+                submitted.append(_submit_embedding(served, bucket, ids, body.priority, arrival_s, deadline_s))
         except APIError:
             for queued, _ in submitted:
                 queued.cancel()  # all inputs or none: the batcher drops them unrun
             raise
-        results = await asyncio.gather(*(_embed_one(served, r, c) for r, c in submitted))
+        requests = [r for r, _ in submitted]
+        watch = RequestWatch(requests, [c for _, c in submitted], deadline_s, request.receive)
+        try:
+            results = await asyncio.gather(*(_embed_one(served, r, c, watch) for r, c in submitted))
+        finally:
+            watch.close()
+            for queued in requests:
+                queued.cancel()  # one input failed or timed out: the others are dropped unrun
         encode = _base64_floats if body.encoding_format == "base64" else list
         data = [{"object": "embedding", "index": i, "embedding": encode(emb)} for i, emb in enumerate(results)]
         num_tokens = sum(len(ids) for ids in token_lists)
@@ -160,27 +202,36 @@ def submit(served: ServedModel, bucket: Bucket, request: CoreRequest) -> None:
         raise queue_full(served.config.name, bucket.name, exc) from None
 
 
-def _submit_embedding(served: ServedModel, bucket: Bucket, token_ids: list[int]) -> tuple[EmbeddingRequest, EventChannel]:
+def _submit_embedding(
+    served: ServedModel, bucket: Bucket, token_ids: list[int], priority: int, arrival_s: float, deadline_s: float | None
+) -> tuple[EmbeddingRequest, EventChannel]:
     channel = EventChannel()
-    request = EmbeddingRequest(request_id=f"emb-{uuid.uuid4().hex}", prompt_token_ids=token_ids, sink=channel.sink)
-    request.timeline["arrival"] = time.monotonic()
+    request = EmbeddingRequest(
+        request_id=f"emb-{uuid.uuid4().hex}",
+        prompt_token_ids=token_ids,
+        sink=channel.sink,
+        priority=priority,
+        deadline_s=deadline_s,
+    )
+    request.timeline["arrival"] = arrival_s
     submit(served, bucket, request)
     return request, channel
 
 
-async def _embed_one(served: ServedModel, request: EmbeddingRequest, channel: EventChannel) -> list[float]:
-    try:
-        async for event in channel.events():
-            if isinstance(event, ErrorEvent):
-                raise APIError(500, f"embedding failed: {event.error}", "server_error")
-            log_request_finished(served.config.name, request, 0, "ok")
-            return event.embedding  # type: ignore[union-attr]
-    finally:
-        request.cancel()
-    raise APIError(500, "embedding produced no result", "server_error")
+async def _embed_one(served: ServedModel, request: EmbeddingRequest, channel: EventChannel, watch: RequestWatch) -> list[float]:
+    """One input's embedding.
+
+    Raises:
+        APIError: 504 past the deadline, 499 after a hang-up, 500 when the batch failed.
+    """
+    event = await first_event(served, request, channel, watch)
+    assert isinstance(event, EmbeddingEvent)
+    log_request_finished(served.config.name, request, 0, "ok")
+    return event.embedding
 
 
 async def _generate(
+    http_request: Request[Any, Any, Any],
     router: Router,
     served: ServedModel,
     body: CompletionBody | ChatCompletionBody,
@@ -188,7 +239,14 @@ async def _generate(
     max_tokens: int,
     prompt_param: str,
     chat: bool,
+    arrival_s: float,
+    deadline_s: float | None,
 ) -> Response[Any] | Stream:
+    """Submit a generation request and answer it once its first token is out (or it failed).
+
+    Waiting for the first token before the response starts lets a queued request that times
+    out, or fails, get its status code (504, 500) even when it streams.
+    """
     if not prompt_ids:
         raise invalid_request("The prompt tokenizes to no tokens", param=prompt_param)
     bucket = router.route(served, len(prompt_ids), max_tokens, prompt_param)
@@ -200,19 +258,23 @@ async def _generate(
         prompt_token_ids=prompt_ids,
         sink=channel.sink,
         priority=body.priority,
+        deadline_s=deadline_s,
         max_tokens=max_tokens,
         params=params,
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
     )
-    request.timeline["arrival"] = time.monotonic()
+    request.timeline["arrival"] = arrival_s
     submit(served, bucket, request)
+    watch = RequestWatch([request], [channel], deadline_s, http_request.receive)
+    first = await first_event(served, request, channel, watch)
+    assert isinstance(first, TokenEvent)
     if body.stream:
+        watch.stop_disconnect_watch()  # the streaming response listens for the hang-up itself
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
-            stream_response(served, request, channel, chat, include_usage),
+            stream_response(served, request, channel, chat, include_usage, first, watch),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return Response(await collect_response(served, request, channel, chat, body.return_token_ids))
-
+    return Response(await collect_response(served, request, channel, chat, first, watch, body.return_token_ids))

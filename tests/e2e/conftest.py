@@ -36,6 +36,19 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_server(config: Path, log_path: Path) -> Iterator[str]:
     """Start ``python -m gateway serve --config config`` on a free port, logging to ``log_path``;
     yield its base URL once ``/health`` answers; stop it on exit."""
+    with run_server_process(config, log_path) as (url, _):
+        yield url
+
+
+def resident_memory_bytes(proc: subprocess.Popen) -> int:  # type: ignore[type-arg]
+    """The resident set size of a running process, from ``/proc`` (Linux)."""
+    fields = Path(f"/proc/{proc.pid}/statm").read_text().split()
+    return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextlib.contextmanager
+def run_server_process(config: Path, log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[type-arg]
+    """As :func:`run_server`, yielding ``(base URL, process)``."""
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log_path, "w") as log:
@@ -59,7 +72,7 @@ def run_server(config: Path, log_path: Path) -> Iterator[str]:
             if time.monotonic() > deadline:
                 pytest.fail(f"server did not start in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:

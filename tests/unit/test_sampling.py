@@ -126,3 +126,19 @@ def test_unseeded_generators_draw_fresh_entropy() -> None:
     a = make_generator(SamplingParams()).initial_seed()
     b = make_generator(SamplingParams()).initial_seed()
     assert a != b
+
+
+@pytest.mark.parametrize("temperature", [1e-129, 5e-324, 9.9e-6])
+def test_temperatures_below_float32_range_are_argmax(temperature: float) -> None:
+    """Found by the API fuzz: 1e-129 rounds to 0 in float32, and (logits - max) / 0 is NaN."""
+    logits = make_logits(2)
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(2)]
+    assert sample(logits, params, [make_generator(p) for p in params]) == torch.argmax(logits, dim=-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300])
+def test_a_top_p_below_float32_range_keeps_the_top_token(top_p: float) -> None:
+    """Found by the API fuzz: such a top_p is 0 against float32 sums, so ``0 >= 0`` dropped every token."""
+    logits = make_logits(2)
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s) for s in range(2)]
+    assert sample(logits, params, [make_generator(p) for p in params]) == torch.argmax(logits, dim=-1).tolist()

@@ -1,0 +1,171 @@
+"""Fuzz the served OpenAPI document with schemathesis against a real server: no 5xx.
+
+A dedicated server runs here with ``max_tokens_cap`` 4 and short embedding batch delays, so
+valid generated bodies stay cheap. Each POST operation gets schema-valid bodies (positive mode)
+and schema-violating ones (negative mode); the GET operations get what they take. Hypothesis
+runs derandomized, without shrinking or an example database, so the run is reproducible and
+bounded: about 1,100 requests, all to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import requests
+import schemathesis
+import yaml
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.core import NotSet
+
+from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+
+MAX_TOKENS_CAP = 4
+MAX_EMBEDDING_INPUTS = 8
+NUM_POSITIVE_PER_POST = 250
+NUM_NEGATIVE_PER_POST = 120
+NUM_EXAMPLES_PER_GET = 20
+MIN_NUM_REQUESTS = 1000
+REQUEST_TIMEOUT_S = 60
+# The served model each POST route takes; a generated ``model`` string is almost never one.
+POST_MODELS = {"/v1/completions": GENERATE_MODEL, "/v1/chat/completions": GENERATE_MODEL, "/v1/embeddings": EMBED_MODEL}
+POST_PATHS = tuple(POST_MODELS)
+
+Send = Callable[[schemathesis.Case], None]
+
+
+@dataclass
+class FuzzServer:
+    """The dedicated server's base URL and the file its log goes to."""
+
+    url: str
+    log_path: Path
+
+
+@dataclass
+class FuzzRecord:
+    """What the fuzz sent and got: status counts per operation, and every 5xx in full."""
+
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
+    server_errors: list[str] = field(default_factory=list)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(self.statuses.values())
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzServer]:
+    """The test config with ``max_tokens_cap`` 4, at most 8 embedding inputs and 1 ms batch delays."""
+    config = yaml.safe_load(CONFIG.read_text())
+    models = {m["name"]: m for m in config["models"]}
+    models[GENERATE_MODEL]["max_tokens_cap"] = MAX_TOKENS_CAP
+    models[EMBED_MODEL]["max_embedding_inputs"] = MAX_EMBEDDING_INPUTS
+    for bucket in models[EMBED_MODEL]["buckets"]:
+        bucket["batcher"]["max_queue_delay_ms"] = 1
+    folder: Path = tmp_path_factory.mktemp("fuzz")
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log_path = folder / "server.log"
+    with run_server(path, log_path) as url:
+        yield FuzzServer(url, log_path)
+
+
+def _served_model_half_the_time(
+    strategy: st.SearchStrategy[schemathesis.Case], model: str
+) -> st.SearchStrategy[schemathesis.Case]:
+    """``strategy`` with the body's ``model`` set to ``model`` in about half the cases, so valid
+    bodies reach the batchers; the other half keep the generated name (a 404)."""
+
+    def set_model(case: schemathesis.Case, is_served: bool) -> schemathesis.Case:
+        if is_served and isinstance(case.body, dict):
+            case.body["model"] = model
+        return case
+
+    return st.tuples(strategy, st.booleans()).map(lambda pair: set_model(*pair))
+
+
+def _fuzz(strategy: st.SearchStrategy[schemathesis.Case], num_examples: int, send: Send) -> None:
+    """Draw up to ``num_examples`` cases from ``strategy`` and pass each to ``send``."""
+
+    @settings(
+        max_examples=num_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(case=strategy)
+    def run(case: schemathesis.Case) -> None:
+        send(case)
+
+    run()
+
+
+def _sender(server: FuzzServer, session: requests.Session, record: FuzzRecord, mode: str) -> Send:
+    """Send each case to ``server``; count its status, and keep the request of any 5xx."""
+
+    def send(case: schemathesis.Case) -> None:
+        response = case.call(base_url=server.url, session=session, timeout=REQUEST_TIMEOUT_S)
+        record.statuses[(case.operation.label, response.status_code)] += 1
+        if response.status_code >= 500:
+            # The body itself, not a curl command: schemathesis masks fields like "max_tokens" there.
+            body = None if isinstance(case.body, NotSet) else case.body
+            record.server_errors.append(
+                f"{mode} {case.operation.label} -> {response.status_code} {response.text[:500]}\n"
+                f"  body: {json.dumps(body, default=repr)[:4000]}"
+            )
+
+    return send
+
+
+def _log_excerpt(log_path: Path, num_lines: int = 12) -> str:
+    lines = log_path.read_text().splitlines()
+    errors = [line for line in lines if "error" in line.lower()]
+    return "\n".join((errors or lines)[-num_lines:])
+
+
+def test_served_schema_documents_post_bodies(fuzz_server: FuzzServer) -> None:
+    document = requests.get(f"{fuzz_server.url}/schema/openapi.json", timeout=30).json()
+    for path in POST_PATHS:
+        body = document["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True
+        schema = body["content"]["application/json"]["schema"]
+        assert schema["type"] == "object" and "model" in schema["required"], schema
+        assert "$ref" not in json.dumps(schema), schema
+
+
+def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
+    schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/schema/openapi.json", timeout=30)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations if op.method.upper() == "POST"} == set(POST_PATHS)
+    record = FuzzRecord()
+    positive, negative = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
+    with requests.Session() as session:
+        send_valid = _sender(fuzz_server, session, record, "positive")
+        send_invalid = _sender(fuzz_server, session, record, "negative")
+        for op in operations:
+            is_post = op.method.upper() == "POST"
+            if not is_post:
+                _fuzz(op.as_strategy(positive), NUM_EXAMPLES_PER_GET, send_valid)
+                continue
+            valid = _served_model_half_the_time(op.as_strategy(positive), POST_MODELS[op.path])
+            _fuzz(valid, NUM_POSITIVE_PER_POST, send_valid)
+            _fuzz(op.as_strategy(negative), NUM_NEGATIVE_PER_POST, send_invalid)
+    summary = dict(sorted(record.statuses.items()))
+    assert not record.server_errors, (
+        f"{len(record.server_errors)} of {record.num_requests} responses were 5xx; the first ones:\n"
+        + "\n".join(record.server_errors[:10])
+        + f"\n--- server log ---\n{_log_excerpt(fuzz_server.log_path)}"
+    )
+    assert record.num_requests >= MIN_NUM_REQUESTS, summary
+    for path in POST_PATHS:
+        num_ok = sum(n for (label, status), n in record.statuses.items() if label == f"POST {path}" and status == 200)
+        assert num_ok > 0, f"no generated body for {path} was served: {summary}"
