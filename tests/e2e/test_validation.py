@@ -29,7 +29,8 @@ EDITS: list[dict[str, Any]] = [
     {"model": "\ud800"}, {"max_tokens": -1}, {"max_tokens": "16"}, {"max_tokens": 1e308}, {"max_tokens": 10**30},
     {"max_tokens": 0.5}, {"temperature": "0"}, {"temperature": None}, {"temperature": 1e308}, {"top_p": []},
     {"top_k": -5}, {"seed": 2**70}, {"stop": {"a": 1}}, {"stop": [None]}, {"n": 3}, {"stream": "true"},
-    {"stream_options": []}, {"stream_options": {"include_usage": 1}}, {"priority": "high"},
+    {"stream_options": []}, {"stream_options": {"include_usage": 1}}, {"priority": "high"}, {"priority": 1001},
+    {"priority": -1001}, {"priority": 1.5}, {"timeout": 0}, {"timeout": -1}, {"timeout": "5"}, {"timeout": 1e308},
     {"prompt": None}, {"prompt": ""}, {"prompt": ["Hi"]}, {"prompt": {"text": "Hi"}}, {"prompt": "\udfff"},
     {"messages": {}}, {"messages": []}, {"messages": [None]}, {"messages": [{"role": "user", "content": {"a": 1}}]},
     {"messages": [{"role": "robot", "content": "x"}]}, {"messages": [{"role": ["user"], "content": "x"}]},
@@ -64,12 +65,24 @@ def test_nasty_bodies_are_client_errors_with_openai_shape(server_url: str, path:
             assert_openai_error(client.post(path, content=content, headers={"content-type": "application/json"}))
 
 
-_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "priority"}
+_SAMPLING = {
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "priority", "timeout",
+}
 _SCHEMA_FIELDS = {
     "/v1/completions": _SAMPLING | {"prompt"},
     "/v1/chat/completions": _SAMPLING | {"messages"},
-    "/v1/embeddings": {"input", "encoding_format"},
+    "/v1/embeddings": {"input", "encoding_format", "priority", "timeout"},
 }
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+@pytest.mark.parametrize("priority", [-1001, 1001])
+def test_a_priority_outside_the_configured_bounds_is_400_naming_it(server_url: str, path: str, priority: int) -> None:
+    error = assert_openai_error(httpx.post(f"{server_url}{path}", json={**ENDPOINTS[path], "priority": priority}))
+    assert (error["param"], error["code"]) == ("priority", "priority_out_of_range")
+    assert "[-1000, 1000]" in error["message"]
+    ok = httpx.post(f"{server_url}{path}", json={**ENDPOINTS[path], "priority": -1000}, timeout=120)
+    assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("path", ENDPOINTS)
