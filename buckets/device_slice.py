@@ -55,16 +55,29 @@ class DeviceSlice:
         self._stopping = False
         self._arbiter = SliceArbiter(max_consecutive_steps)
         self._thread: threading.Thread | None = None
+        self._stepping: Batcher | None = None
 
     def attach(self, batcher: Batcher) -> None:
         with self._wake:
             self._batchers.append(batcher)
-            self._wake.notify()
+            self._wake.notify_all()
+
+    def detach(self, batcher: Batcher) -> None:
+        """Take ``batcher`` off this slice, waiting out a step of it already under way; the worker
+        never steps it again. Thread-safe; call it off the worker thread.
+
+        Raises:
+            ValueError: ``batcher`` is not attached here.
+        """
+        with self._wake:
+            self._batchers.remove(batcher)
+            while self._stepping is batcher:
+                self._wake.wait()
 
     def notify(self) -> None:
         """Wake the worker: new work arrived (thread-safe)."""
         with self._wake:
-            self._wake.notify()
+            self._wake.notify_all()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"slice-{self.name}", daemon=True)
@@ -74,7 +87,7 @@ class DeviceSlice:
         """Stop the worker after its current step; fail what is still queued."""
         with self._wake:
             self._stopping = True
-            self._wake.notify()
+            self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
         for batcher in self._batchers:
@@ -93,6 +106,10 @@ class DeviceSlice:
                 batcher.step()
             except Exception:  # the worker never dies silently; the batcher already failed its requests
                 log.exception("slice_step_error", slice=self.name, batcher=batcher.kind)
+            finally:
+                with self._wake:
+                    self._stepping = None
+                    self._wake.notify_all()
 
     @staticmethod
     def _head(batcher: Batcher, now: float) -> float:
@@ -109,7 +126,8 @@ class DeviceSlice:
                 heads = [self._head(b, now) if w == 0.0 else None for b, w in zip(self._batchers, waits)]
                 index = self._arbiter.pick(heads)
                 if index is not None:
-                    return self._batchers[index]
+                    self._stepping = self._batchers[index]
+                    return self._stepping
                 pending = [w for w in waits if w is not None]
                 self._wake.wait(min(pending) if pending else IDLE_WAIT_S)
             return None

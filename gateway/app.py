@@ -14,6 +14,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Response
 
 from buckets.bucket import Bucket
+from gateway.admin import AdminController
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import APIError
@@ -85,7 +86,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             await asyncio.to_thread(engine.stop)
 
     return Litestar(
-        route_handlers=[OpenAIController, health, stats],
+        route_handlers=[OpenAIController, AdminController, health, stats],
         lifespan=[lifespan],
         state=_state(engine),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},

@@ -142,6 +142,10 @@ class GatewayConfig(_Strict):
     max_priority: int = 1000
     # Seconds a draining model asks clients to wait (Retry-After on its 503s).
     drain_retry_after_s: int = Field(default=5, ge=1, le=3600)
+    # How long an unload waits for admitted requests to finish before failing the rest.
+    drain_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    # With no SLUICE_ADMIN_TOKEN set, open the admin API to loopback clients (else it is off: 404).
+    admin_allow_loopback_without_token: bool = False
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":

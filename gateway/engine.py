@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from gateway.errors import ConfigError
 from gateway.config import BucketConfig, ContinuousBatcherConfig, GatewayConfig, ModelConfig
+from models.cpu_memory import release_memory
 from models.loader import LoadedModel, load_model
 from models.source import default_cache_dir
 
@@ -74,6 +76,18 @@ class ServedModel:
     table: BucketTable
     draining: bool = False
 
+    @property
+    def state(self) -> str:
+        return "draining" if self.draining else "ready"
+
+    def is_idle(self) -> bool:
+        """No request queued or running in any of its buckets (admission tickets included)."""
+        for bucket in self.table.buckets:
+            stats = bucket.batcher.stats()
+            if stats.num_waiting or stats.num_running or bucket.gate.num_queued:
+                return False
+        return True
+
 
 class Engine:
     """Owns the device slices and served models of one gateway process.
@@ -101,8 +115,40 @@ class Engine:
             device_slice.start()
 
     def stop(self) -> None:
+        for model in self.models.values():
+            model.draining = True
         for device_slice in self.slices.values():
             device_slice.stop()
+
+    def unload(self, name: str, drain_timeout_s: float, poll_s: float = 0.02) -> dict[str, float | int]:
+        """Drain model ``name`` and free it. Blocking: call it off the event loop.
+
+        New requests get 503 at once; those already admitted run to the end, for at most
+        ``drain_timeout_s`` seconds, after which the rest fail (:class:`ShuttingDownError`).
+        Then its batchers leave their slices and the model, its KV pools and its tokenizer are
+        dropped (``gc.collect``, and glibc's ``malloc_trim`` so the heap shrinks).
+
+        Returns:
+            ``drain_s`` (seconds spent draining) and ``num_unfinished`` (requests failed at the timeout).
+        Raises:
+            KeyError: no model called ``name``.
+        """
+        served = self.models[name]
+        served.draining = True
+        started = time.monotonic()
+        while not served.is_idle() and time.monotonic() - started < drain_timeout_s:
+            time.sleep(poll_s)
+        drain_s = time.monotonic() - started
+        num_unfinished = 0
+        for bucket in served.table.buckets:
+            stats = bucket.batcher.stats()
+            num_unfinished += stats.num_waiting + stats.num_running
+            bucket.device_slice.detach(bucket.batcher)
+            bucket.batcher.shutdown()
+        del self.models[name]
+        del served
+        release_memory()
+        return {"drain_s": drain_s, "num_unfinished": num_unfinished}
 
     def _load(self, config: ModelConfig) -> ServedModel:
         device = self.slices[config.buckets[0].slice].device

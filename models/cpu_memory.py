@@ -42,3 +42,17 @@ def keep_freed_memory_in_heap() -> bool:
     _tuned = ok
     log.info("malloc_tuned", ok=ok, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES, trim_threshold_bytes=TRIM_THRESHOLD_BYTES)
     return ok
+
+
+def release_memory() -> None:
+    """Collect garbage, then hand the heap's free pages back to the kernel (glibc ``malloc_trim``),
+    after a model or KV pool is dropped. Off Linux/glibc only the collection runs."""
+    import gc
+
+    gc.collect()
+    if platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc":
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

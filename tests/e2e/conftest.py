@@ -33,10 +33,11 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def run_server(config: Path, log_path: Path) -> Iterator[str]:
-    """Start ``python -m gateway serve --config config`` on a free port, logging to ``log_path``;
-    yield its base URL once ``/health`` answers; stop it on exit."""
-    with run_server_process(config, log_path) as (url, _):
+def run_server(config: Path, log_path: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start ``python -m gateway serve --config config`` on a free port, logging to ``log_path``
+    (with ``env`` added to the environment); yield its base URL once ``/health`` answers; stop
+    it on exit."""
+    with run_server_process(config, log_path, env) as (url, _):
         yield url
 
 
@@ -47,10 +48,12 @@ def resident_memory_bytes(proc: subprocess.Popen) -> int:  # type: ignore[type-a
 
 
 @contextlib.contextmanager
-def run_server_process(config: Path, log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[type-arg]
+def run_server_process(
+    config: Path, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[type-arg]
     """As :func:`run_server`, yielding ``(base URL, process)``."""
     port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port), "--log-level", "info"],

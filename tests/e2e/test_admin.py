@@ -1,0 +1,111 @@
+"""The admin API against a real server: bearer-token auth, model inspection, and unloading a
+model under load: new requests get 503 with Retry-After while admitted ones finish, then the
+model is gone and its memory (weights and KV pools) is returned."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from gateway.admin import check_admin_token
+from gateway.errors import APIError
+from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, resident_memory_bytes, run_server_process
+
+TOKEN = "test-admin-token-5b7c"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def admin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any, Path]]:
+    config = yaml.safe_load(CONFIG.read_text())
+    config["drain_retry_after_s"] = 7
+    folder: Path = tmp_path_factory.mktemp("admin")
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log_path = folder / "server.log"
+    with run_server_process(path, log_path, {"SLUICE_ADMIN_TOKEN": TOKEN}) as (url, proc):
+        yield url, proc, log_path
+
+
+def test_admin_calls_need_the_bearer_token(admin_server: tuple[str, Any, Path]) -> None:
+    url = admin_server[0]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+        response = httpx.get(f"{url}/admin/models", headers=headers)
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    response = httpx.get(f"{url}/admin/models", headers=AUTH)
+    assert response.status_code == 200
+    models = {m["name"]: m for m in response.json()["models"]}
+    assert set(models) == {GENERATE_MODEL, EMBED_MODEL}
+    assert models[GENERATE_MODEL]["state"] == "ready"
+    assert [b["name"] for b in models[GENERATE_MODEL]["buckets"]] == ["le48", "le256"]
+    one = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=AUTH).json()
+    assert one["config"]["task"] == "embed" and one["buckets"][0]["kind"] == "dynamic"
+    assert httpx.get(f"{url}/admin/models/nope", headers=AUTH).status_code == 404
+
+
+def test_the_admin_api_is_off_without_a_token_unless_loopback_is_allowed() -> None:
+    with pytest.raises(APIError) as off:
+        check_admin_token(f"Bearer {TOKEN}", None, "127.0.0.1", allow_loopback=False)
+    assert off.value.status_code == 404
+    check_admin_token(None, None, "127.0.0.1", allow_loopback=True)
+    check_admin_token(None, "", "::1", allow_loopback=True)
+    with pytest.raises(APIError) as remote:
+        check_admin_token(None, None, "10.1.2.3", allow_loopback=True)
+    assert remote.value.status_code == 404
+    check_admin_token(f"Bearer {TOKEN}", TOKEN, "10.1.2.3", allow_loopback=False)
+
+
+def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(admin_server: tuple[str, Any, Path]) -> None:
+    url, proc, log_path = admin_server
+    body = {"model": GENERATE_MODEL, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    rss_before = resident_memory_bytes(proc)
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response, list[httpx.Response], float]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            in_flight = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(4)]
+            await asyncio.sleep(1.0)  # admitted and running
+            unload = asyncio.create_task(client.delete(f"/admin/models/{GENERATE_MODEL}", headers=AUTH))
+            await asyncio.sleep(0.3)
+            refused = []
+            while not unload.done():
+                refused.append(await client.post("/v1/completions", json=body))
+                await asyncio.sleep(0.2)
+            drained_at = time.monotonic()
+            return list(await asyncio.gather(*in_flight)), await unload, refused, drained_at
+
+    in_flight, unload, refused, _ = asyncio.run(run())
+    assert [r.status_code for r in in_flight] == [200] * 4
+    assert all(r.json()["usage"]["completion_tokens"] == 64 for r in in_flight)
+    assert unload.status_code == 200, unload.text
+    assert unload.json()["state"] == "unloaded" and unload.json()["num_unfinished"] == 0
+    statuses = [r.status_code for r in refused]
+    # 503 while draining; the last may land after the unload finished (404: no such model).
+    assert 503 in statuses and statuses == sorted(statuses, reverse=True) and set(statuses) <= {503, 404}, statuses
+    for response in refused:
+        if response.status_code == 404:
+            continue
+        assert response.headers["Retry-After"] == "7"
+        error = response.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == ("service_unavailable_error", "model_unavailable", "model")
+    after = httpx.post(f"{url}/v1/completions", json=body)
+    assert after.status_code == 404
+    assert GENERATE_MODEL not in httpx.get(f"{url}/health").json()["models"]
+    assert httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": "still here"}).status_code == 200
+    freed = rss_before - resident_memory_bytes(proc)
+    # The generate model's two KV pools (256 MiB together) and its weights (~500 MiB in float32) go.
+    print(f"resident memory freed by the unload: {freed / 2**20:.0f} MiB")
+    assert freed > 256 * 2**20
+    audit = [json.loads(line) for line in log_path.read_text().splitlines() if '"admin_audit"' in line]
+    assert [(a["action"], a["before"], a["after"]) for a in audit] == [
+        ("unload_model", "ready", "draining"), ("unload_model", "draining", "unloaded"),
+    ]
+    assert audit[0]["who"] == "127.0.0.1"
