@@ -77,9 +77,10 @@ class ContinuousBatcher:
 
     def step(self) -> None:
         self._take_inbox()
-        for seq in self.scheduler.drop_cancelled():
+        cancelled, expired = self.scheduler.drop_ended(self.clock())
+        for seq in cancelled:
             self._counters.count_cancelled(seq.request)
-        self._counters.num_timed_out += len(self.scheduler.drop_expired(self.clock()))
+        self._counters.num_timed_out += len(expired)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return

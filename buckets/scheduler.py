@@ -21,6 +21,7 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -108,24 +109,24 @@ class Scheduler:
         seq.arrival_s = seq.request.timeline.get("enqueued", self.clock())
         self._enqueue(seq)
 
-    def drop_cancelled(self) -> list[Sequence]:
-        """Remove cancelled sequences from both queues; their blocks return to the pool at once.
-        Their outcome is the reason they were cancelled for (``cancelled`` or ``timeout``)."""
-        dropped = [s for s in itertools.chain(self.waiting, self.running) if s.request.is_cancelled]
-        for seq in dropped:
-            self._finish(seq, seq.request.cancel_reason or "cancelled")
-        return dropped
+    def drop_ended(self, now: float) -> tuple[list[Sequence], list[Sequence]]:
+        """In one pass over both queues, end the cancelled sequences and those whose deadline has
+        passed at ``now``; their blocks return to the pool at once. Returns ``(cancelled, expired)``.
 
-    def drop_expired(self, now: float) -> list[Sequence]:
-        """End the sequences whose deadline has passed at ``now``; their blocks return at once.
-
-        One with outputs gets a last event with ``finish_reason="timeout"`` (what it generated
-        stands); one without (queued, or still in prefill) gets an error event carrying
-        :class:`~buckets.errors.DeadlineExceededError`.
+        A cancelled one's outcome is the reason it was cancelled for (``cancelled`` or
+        ``timeout``); nothing is emitted for it. An expired one with outputs gets a last event with
+        ``finish_reason="timeout"`` (what it generated stands); one without (queued, or still in
+        prefill) gets an error event carrying :class:`~buckets.errors.DeadlineExceededError`.
         """
-        expired = [
-            s for s in itertools.chain(self.waiting, self.running) if is_expired(s.request.deadline_s, now)
-        ]
+        cancelled: list[Sequence] = []
+        expired: list[Sequence] = []
+        for seq in itertools.chain(self.waiting, self.running):
+            if seq.request.is_cancelled:
+                cancelled.append(seq)
+            elif is_expired(seq.request.deadline_s, now):
+                expired.append(seq)
+        for seq in cancelled:
+            self._finish(seq, seq.request.cancel_reason or "cancelled")
         for seq in expired:
             self._finish(seq, "timeout")
             if seq.output_token_ids:
@@ -134,7 +135,15 @@ class Scheduler:
                 seq.request.emit(ErrorEvent(DeadlineExceededError(
                     f"the request's deadline passed after {now - seq.arrival_s:.3f} s, before its first token"
                 )))
-        return expired
+        return cancelled, expired
+
+    def drop_cancelled(self) -> list[Sequence]:
+        """:meth:`drop_ended` for cancellations alone; returns the dropped sequences."""
+        return self.drop_ended(-math.inf)[0]
+
+    def drop_expired(self, now: float) -> list[Sequence]:
+        """:meth:`drop_ended` at ``now``; returns the sequences that expired."""
+        return self.drop_ended(now)[1]
 
     def schedule(self) -> StepPlan:
         """Plan the next step (decodes, then prefill chunks, then new sequences)."""

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import ipaddress
 import os
+from dataclasses import asdict
 from typing import Any
 
 import structlog
@@ -77,8 +78,6 @@ def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHand
 
 def describe_model(served: ServedModel) -> dict[str, Any]:
     """A served model's config, state, buckets (with their slices and live stats)."""
-    from dataclasses import asdict
-
     buckets = []
     for bucket in served.table.buckets:
         stats = bucket.stats()

@@ -165,12 +165,14 @@ class OpenAIController(Controller):
             raise
         requests = [r for r, _ in submitted]
         watch = RequestWatch(requests, [c for _, c in submitted], deadline_s, request.receive)
+        waits = [asyncio.ensure_future(_embed_one(served, r, c, watch)) for r, c in submitted]
         try:
-            results = await asyncio.gather(*(_embed_one(served, r, c, watch) for r, c in submitted))
+            results = await asyncio.gather(*waits)
         finally:
             watch.close()
-            for queued in requests:
-                queued.cancel()  # one input failed or timed out: the others are dropped unrun
+            for wait, queued in zip(waits, requests):
+                wait.cancel()  # one input failed: stop waiting for the others ...
+                queued.cancel()  # ... which the batcher drops unrun
         encode = _base64_floats if body.encoding_format == "base64" else list
         data = [{"object": "embedding", "index": i, "embedding": encode(emb)} for i, emb in enumerate(results)]
         num_tokens = sum(len(ids) for ids in token_lists)
