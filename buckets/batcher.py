@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from buckets.request import Request
-from buckets.stats import BucketStats
+from buckets.stats import BatchObserver, BucketStats
 
 
 class Batcher(Protocol):
@@ -29,6 +29,9 @@ class Batcher(Protocol):
 
     def step(self) -> None:
         """Run one forward (a continuous step or a dynamic batch) and emit its results."""
+
+    def add_batch_observer(self, observer: BatchObserver) -> None:
+        """Call ``observer(num_seqs, num_tokens, num_padding_tokens)`` after every forward (worker thread)."""
 
     def stats(self) -> BucketStats:
         """A snapshot of counters and queue state."""

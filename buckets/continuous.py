@@ -18,7 +18,7 @@ from buckets.request import ErrorEvent, GenerationRequest, Request
 from buckets.scheduler import Scheduler
 from buckets.sequence import Sequence
 from buckets.settings import ContinuousBatcherSettings
-from buckets.stats import BucketStats, Counters
+from buckets.stats import BatchObserver, BucketStats, Counters
 from models.detokenizer import IncrementalDetokenizer
 from models.step_io import ForwardInput, ForwardOutput
 from policies.priority import effective_priority
@@ -99,6 +99,10 @@ class ContinuousBatcher:
     def max_seq_tokens(self) -> int:
         """The most tokens (prompt + ``max_tokens``) one request may need: the whole KV pool."""
         return self.scheduler.max_seq_tokens
+
+    def add_batch_observer(self, observer: BatchObserver) -> None:
+        """Call ``observer(num_seqs, num_tokens, num_padding_tokens)`` after every forward (worker thread)."""
+        self._counters.observers.append(observer)
 
     def stats(self) -> BucketStats:
         blocks = self.block_manager.stats()

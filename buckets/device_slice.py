@@ -10,6 +10,7 @@ out ``max_queue_delay`` sets how long the worker sleeps.
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -23,6 +24,7 @@ from policies.priority import SliceArbiter
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 1.0
+BUSY_WINDOW_S = 10.0
 DEFAULT_MAX_CONSECUTIVE_STEPS = 4
 
 
@@ -56,6 +58,8 @@ class DeviceSlice:
         self._arbiter = SliceArbiter(max_consecutive_steps)
         self._thread: threading.Thread | None = None
         self._stepping: Batcher | None = None
+        self.busy_s = 0.0  # seconds spent in steps since start (worker-written)
+        self._recent_steps: collections.deque[tuple[float, float]] = collections.deque()  # (end, seconds)
 
     def attach(self, batcher: Batcher) -> None:
         with self._wake:
@@ -102,14 +106,30 @@ class DeviceSlice:
             batcher = self._wait_for_ready()
             if batcher is None:
                 return
+            started = self.clock()
             try:
                 batcher.step()
             except Exception:  # the worker never dies silently; the batcher already failed its requests
                 log.exception("slice_step_error", slice=self.name, batcher=batcher.kind)
             finally:
+                self._record_busy(started, self.clock())
                 with self._wake:
                     self._stepping = None
                     self._wake.notify_all()
+
+    def _record_busy(self, started: float, ended: float) -> None:
+        self.busy_s += ended - started
+        self._recent_steps.append((ended, ended - started))
+        while self._recent_steps and self._recent_steps[0][0] < ended - BUSY_WINDOW_S:
+            self._recent_steps.popleft()
+
+    def busy_ratio(self, now: float | None = None) -> float:
+        """The share of the last ``BUSY_WINDOW_S`` seconds the worker spent in steps (0 to 1;
+        a step is counted whole when it ended inside the window). Thread-safe enough for metrics."""
+        now = self.clock() if now is None else now
+        recent = list(self._recent_steps)
+        busy = sum(seconds for ended, seconds in recent if ended >= now - BUSY_WINDOW_S)
+        return min(1.0, busy / BUSY_WINDOW_S)
 
     @staticmethod
     def _head(batcher: Batcher, now: float) -> float:

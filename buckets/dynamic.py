@@ -17,7 +17,7 @@ import structlog
 from buckets.errors import BatchFailedError, DeadlineExceededError, ShuttingDownError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, Request
 from buckets.settings import DynamicBatcherSettings
-from buckets.stats import BucketStats, Counters
+from buckets.stats import BatchObserver, BucketStats, Counters
 from policies.batching import seconds_until_batch_closes
 from policies.deadlines import is_expired
 from policies.priority import effective_priority
@@ -86,6 +86,10 @@ class DynamicBatcher:
             request.emit(EmbeddingEvent(embedding=row, num_prompt_tokens=request.num_prompt_tokens))
         self._counters.num_finished += len(batch)
 
+    def add_batch_observer(self, observer: BatchObserver) -> None:
+        """Call ``observer(num_seqs, num_tokens, num_padding_tokens)`` after every forward (worker thread)."""
+        self._counters.observers.append(observer)
+
     def stats(self) -> BucketStats:
         return self._counters.snapshot(self.kind, num_waiting=len(self._queue), num_running=0)
 
@@ -110,6 +114,7 @@ class DynamicBatcher:
                 waited_s = now - request.timeline["enqueued"]
                 request.emit(ErrorEvent(DeadlineExceededError(f"the request's deadline passed after {waited_s:.3f} s queued")))
             else:
+                request.timeline["started"] = now
                 batch.append(request)
         return batch
 

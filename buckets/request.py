@@ -54,7 +54,8 @@ _cancel_lock = threading.Lock()
 class Request:
     """A tokenised request routed to one bucket.
 
-    ``timeline`` maps stage names (``arrival``, ``enqueued``, ``first_token``, ``finished``) to
+    ``timeline`` maps stage names (``arrival``, ``enqueued``, ``started`` (left the queue to
+    run), ``first_token``, ``finished``) to
     clock readings in seconds, and ``batches`` records ``(batch or step id, index in batch)`` for
     each forward the request took part in. Both are written by the worker and read by the
     gateway after the final event.

@@ -199,6 +199,7 @@ class Scheduler:
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
             self.waiting.pop()
             seq.request.leave_queue()  # a no-op for a preempted sequence coming back
+            seq.request.timeline.setdefault("started", self.clock())
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = (seq, num_tokens)

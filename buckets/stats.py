@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from buckets.request import Request
+
+# Called by the worker after every forward with (sequences, tokens, padding tokens); must not block.
+BatchObserver = Callable[[int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Counters:
     num_cancelled: int = 0
     num_failed: int = 0
     num_timed_out: int = 0
+    observers: list[BatchObserver] = field(default_factory=list, repr=False)
 
     def count_cancelled(self, request: Request) -> None:
         """Count a request dropped after :meth:`Request.cancel`, as timed out or cancelled by its reason."""
@@ -96,7 +101,10 @@ class Counters:
         self.num_batch_seqs_total += num_seqs
         self.num_batched_tokens += num_tokens
         self.num_padding_tokens += num_padding_tokens
+        for observer in self.observers:
+            observer(num_seqs, num_tokens, num_padding_tokens)
 
     def snapshot(self, kind: str, num_waiting: int, num_running: int, **extra: int) -> BucketStats:
         """A frozen copy of the counters plus the queue state (and ``extra`` :class:`BucketStats` fields)."""
-        return BucketStats(kind=kind, num_waiting=num_waiting, num_running=num_running, **self.__dict__, **extra)
+        counts = {k: v for k, v in self.__dict__.items() if k != "observers"}
+        return BucketStats(kind=kind, num_waiting=num_waiting, num_running=num_running, **counts, **extra)

@@ -18,6 +18,7 @@ from gateway.admin import AdminController
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import APIError
+from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
 from gateway.routes.openai import OpenAIController
@@ -60,6 +61,13 @@ async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
     }
 
 
+@get("/metrics", media_type=CONTENT_TYPE)
+async def metrics_endpoint(request: Request[Any, Any, Any]) -> bytes:
+    """Prometheus text: histograms, counters and gauges labelled by model and bucket."""
+    metrics: Metrics = request.app.state.metrics
+    return await asyncio.to_thread(metrics.render)
+
+
 def _bucket_stats(bucket: Bucket) -> dict[str, Any]:
     snapshot = bucket.stats()
     return {
@@ -75,6 +83,11 @@ def _bucket_stats(bucket: Bucket) -> dict[str, Any]:
 def create_app(config: GatewayConfig) -> Litestar:
     """Build the gateway app for ``config``. Models load in the lifespan, before serving starts."""
     engine = Engine(config)
+    metrics = Metrics(engine)
+    engine.request_observers.append(metrics.observe_request)
+    engine.bucket_hooks.append(
+        lambda model, bucket: bucket.batcher.add_batch_observer(metrics.batch_observer(model, bucket.name, bucket.batcher.kind))
+    )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -86,16 +99,16 @@ def create_app(config: GatewayConfig) -> Litestar:
             await asyncio.to_thread(engine.stop)
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminController, health, stats],
+        route_handlers=[OpenAIController, AdminController, health, stats, metrics_endpoint],
         lifespan=[lifespan],
-        state=_state(engine),
+        state=_state(engine, metrics),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
         request_max_body_size=int(config.max_request_body_bytes),
         plugins=[RequestBodySchemas()],
     )
 
 
-def _state(engine: Engine) -> Any:
+def _state(engine: Engine, metrics: Metrics) -> Any:
     from litestar.datastructures import State
 
-    return State({"engine": engine, "router": Router(engine)})
+    return State({"engine": engine, "router": Router(engine), "metrics": metrics})

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import structlog
@@ -13,13 +14,19 @@ from buckets.continuous import ContinuousBatcher
 from buckets.device_slice import DeviceSlice
 from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
+from buckets.request import Request
 from gateway.errors import ConfigError
+from gateway.logging import log_request_finished
 from gateway.config import BucketConfig, ContinuousBatcherConfig, GatewayConfig, ModelConfig
 from models.cpu_memory import release_memory
 from models.loader import LoadedModel, load_model
 from models.source import default_cache_dir
 
 log = structlog.get_logger(__name__)
+
+RequestObserver = Callable[[str, Request, int, str], None]
+# Called with (model name, bucket) for every bucket built, before it takes requests.
+BucketHook = Callable[[str, Bucket], None]
 
 DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
 DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION = 0.5
@@ -75,6 +82,14 @@ class ServedModel:
     loaded: LoadedModel
     table: BucketTable
     draining: bool = False
+    # Called with (model name, request, completion tokens, outcome) once per finished request.
+    request_observers: list[RequestObserver] = field(default_factory=list)
+
+    def finish(self, request: Request, completion_tokens: int, outcome: str) -> None:
+        """Log a finished request once and hand it to the observers (metrics, dashboards)."""
+        log_request_finished(self.config.name, request, completion_tokens, outcome)
+        for observer in self.request_observers:
+            observer(self.config.name, request, completion_tokens, outcome)
 
     @property
     def state(self) -> str:
@@ -103,6 +118,8 @@ class Engine:
             s.name: DeviceSlice(s.name, s.device, s.num_threads, s.max_consecutive_steps) for s in config.slices
         }
         self.models: dict[str, ServedModel] = {}
+        self.request_observers: list[RequestObserver] = []
+        self.bucket_hooks: list[BucketHook] = []
         self.kv_memory_bytes = split_kv_memory(
             config,
             {s.name: int(s.kv_cache_memory_bytes or default_kv_cache_memory_bytes(s.device)) for s in config.slices},
@@ -156,8 +173,10 @@ class Engine:
         log.info("model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3))
         buckets = [self._bucket(config, loaded, b) for b in config.buckets]
         for bucket in buckets:
+            for hook in self.bucket_hooks:
+                hook(config.name, bucket)
             bucket.device_slice.attach(bucket.batcher)
-        return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets))
+        return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)
 
     def _bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig) -> Bucket:
         device_slice = self.slices[config.slice]

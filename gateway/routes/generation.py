@@ -11,7 +11,6 @@ from buckets.errors import DeadlineExceededError
 from buckets.request import ErrorEvent, GenerationRequest, Request as CoreRequest, RequestEvent, TokenEvent
 from gateway.engine import ServedModel
 from gateway.errors import APIError, deadline_exceeded
-from gateway.logging import log_request_finished
 from gateway.streams import ChannelItem, EventChannel, Interrupt, RequestWatch
 
 
@@ -53,15 +52,14 @@ async def first_event(
 
 def _failure(served: ServedModel, request: CoreRequest, item: Interrupt | ErrorEvent) -> APIError:
     """Log a request that ended without a result, and the error its client gets."""
-    model = served.config.name
     if isinstance(item, Interrupt) and item.reason == "disconnected":
-        log_request_finished(model, request, 0, "cancelled")
+        served.finish(request, 0, "cancelled")
         return APIError(499, "the client closed the request", "invalid_request_error", code="client_closed_request")
     if isinstance(item, Interrupt) or isinstance(item.error, DeadlineExceededError):
-        log_request_finished(model, request, 0, "timeout")
+        served.finish(request, 0, "timeout")
         waited_s = time.monotonic() - request.timeline.get("arrival", time.monotonic())
         return deadline_exceeded(waited_s)
-    log_request_finished(model, request, 0, "error")
+    served.finish(request, 0, "error")
     return APIError(500, f"request failed: {item.error}", "server_error")
 
 
@@ -105,7 +103,7 @@ async def collect_response(
     finally:
         watch.close()
         request.cancel()  # no-op once finished; frees the sequence if the client went away
-    log_request_finished(served.config.name, request, num_completion_tokens, _outcome(finish_reason))
+    served.finish(request, num_completion_tokens, _outcome(finish_reason))
     text = "".join(pieces)
     if chat:
         choice: dict[str, Any] = {
@@ -192,4 +190,4 @@ async def stream_response(
     finally:
         watch.close()
         request.cancel()
-        log_request_finished(served.config.name, request, completion_tokens, outcome)
+        served.finish(request, completion_tokens, outcome)

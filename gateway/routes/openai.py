@@ -19,7 +19,6 @@ from buckets.errors import QueueFullError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest, TokenEvent
 from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, queue_full, validation_error
-from gateway.logging import log_request_finished
 from gateway.router import Router
 from gateway.routes.generation import collect_response, first_event, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
@@ -228,7 +227,7 @@ async def _embed_one(served: ServedModel, request: EmbeddingRequest, channel: Ev
     """
     event = await first_event(served, request, channel, watch)
     assert isinstance(event, EmbeddingEvent)
-    log_request_finished(served.config.name, request, 0, "ok")
+    served.finish(request, 0, "ok")
     return event.embedding
 
 

@@ -1,0 +1,200 @@
+"""Prometheus metrics (``GET /metrics``), labelled by ``model`` and ``bucket``.
+
+Latencies are observed once per finished request from its timeline (:meth:`Metrics.observe_request`,
+called where the request is logged); batch shapes once per forward from the worker
+(:meth:`Metrics.observe_batch`, a batch observer on each bucket). Counts the core already keeps
+(outcomes, preemptions) and current state (queue depth, KV usage, slice busy ratio) are read from
+the buckets' stats at scrape time by :class:`EngineCollector`, so the step loop pays nothing for them.
+
+Names follow vLLM's where one exists (``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
+``request_queue_time_seconds``, ``kv_cache_usage_ratio``), prefixed ``sluice_``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from buckets.request import Request
+
+if TYPE_CHECKING:
+    from gateway.engine import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("model", "bucket")
+# Seconds: vLLM's TTFT buckets, reaching further for CPU prefills.
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_TOKENS_BUCKETS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
+# Requests kept per bucket for the dashboards' percentiles.
+RECENT_REQUESTS = 1000
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One finished request's latencies in seconds (``None`` where it never got that far).
+
+    ``tpot_s`` is time per output token after the first: ``(finished - first_token) / (n - 1)``.
+    """
+
+    finished_s: float
+    outcome: str
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    queue_s: float | None
+    completion_tokens: int
+
+
+def request_timing(request: Request, completion_tokens: int, outcome: str) -> RequestTiming:
+    """Latencies from a request's timeline (``arrival``, ``started``, ``first_token``, ``finished``)."""
+    timeline = request.timeline
+    arrival = timeline.get("arrival")
+    first = timeline.get("first_token")
+    finished = timeline.get("finished", first)
+    started = timeline.get("started")
+
+    def since(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else max(0.0, end - start)
+
+    tpot = None
+    if first is not None and finished is not None and completion_tokens > 1:
+        tpot = max(0.0, finished - first) / (completion_tokens - 1)
+    return RequestTiming(
+        finished_s=finished if finished is not None else (arrival or 0.0),
+        outcome=outcome,
+        ttft_s=since(arrival, first),
+        tpot_s=tpot,
+        e2e_s=since(arrival, finished),
+        queue_s=since(arrival, started),
+        completion_tokens=completion_tokens,
+    )
+
+
+class Metrics:
+    """The gateway's metrics, in their own registry (one per app)."""
+
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds", "Arrival to first token (or embedding).", LABELS,
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )
+        self.itl = Histogram(
+            "sluice_inter_token_latency_seconds", "Time per output token after the first (TPOT), one per request.",
+            LABELS, buckets=ITL_BUCKETS_S, registry=registry,
+        )
+        self.e2e = Histogram(
+            "sluice_e2e_request_latency_seconds", "Arrival to the last token (or embedding).", LABELS,
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )
+        self.queue_time = Histogram(
+            "sluice_request_queue_time_seconds", "Arrival to leaving the bucket's queue to run.", LABELS,
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )
+        self.batch_size = Histogram(
+            "sluice_batch_size", "Sequences (or inputs) per forward.", LABELS, buckets=BATCH_SIZE_BUCKETS, registry=registry,
+        )
+        self.batch_tokens = Histogram(
+            "sluice_batch_tokens", "Tokens per forward (padding included).", LABELS,
+            buckets=BATCH_TOKENS_BUCKETS, registry=registry,
+        )
+        self.padding_ratio = Histogram(
+            "sluice_padding_ratio", "Padding tokens over all tokens of a dynamic batch.", LABELS,
+            buckets=RATIO_BUCKETS, registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens of finished requests.", LABELS, registry=registry
+        )
+        self.generation_tokens = Counter(
+            "sluice_generation_tokens", "Generated tokens of finished requests.", LABELS, registry=registry
+        )
+        registry.register(EngineCollector(engine))
+        self._recent: dict[tuple[str, str], deque[RequestTiming]] = {}
+        self._lock = threading.Lock()
+
+    def observe_request(self, model: str, request: Request, completion_tokens: int, outcome: str) -> None:
+        """Record a finished request (any outcome) once; latencies only where it reached that stage."""
+        bucket = request.info.get("bucket")
+        if bucket is None:
+            return  # refused before routing
+        labels = (model, bucket)
+        timing = request_timing(request, completion_tokens, outcome)
+        for histogram, value in (
+            (self.ttft, timing.ttft_s), (self.itl, timing.tpot_s), (self.e2e, timing.e2e_s), (self.queue_time, timing.queue_s),
+        ):
+            if value is not None and (outcome == "ok" or histogram is self.queue_time):
+                histogram.labels(*labels).observe(value)
+        self.prompt_tokens.labels(*labels).inc(request.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(completion_tokens)
+        with self._lock:
+            self._recent.setdefault(labels, deque(maxlen=RECENT_REQUESTS)).append(timing)
+
+    def batch_observer(self, model: str, bucket: str, kind: str) -> Callable[[int, int, int], None]:
+        """The observer a bucket's batcher calls after each forward."""
+        size = self.batch_size.labels(model, bucket)
+        tokens = self.batch_tokens.labels(model, bucket)
+        padding = self.padding_ratio.labels(model, bucket) if kind == "dynamic" else None
+
+        def observe(num_seqs: int, num_tokens: int, num_padding_tokens: int) -> None:
+            size.observe(num_seqs)
+            tokens.observe(num_tokens)
+            if padding is not None and num_tokens:
+                padding.observe(num_padding_tokens / num_tokens)
+
+        return observe
+
+    def recent(self, model: str, bucket: str) -> list[RequestTiming]:
+        """The last ``RECENT_REQUESTS`` finished requests of a bucket, oldest first."""
+        with self._lock:
+            return list(self._recent.get((model, bucket), ()))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """Reads the buckets' stats at scrape time: request outcomes, preemptions, queue depth, running
+    sequences, KV usage, and each slice's busy ratio."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("sluice_requests", "Requests by outcome.", labels=[*LABELS, "outcome"])
+        preemptions = CounterMetricFamily("sluice_preemptions", "Sequences preempted (recompute).", labels=list(LABELS))
+        waiting = GaugeMetricFamily("sluice_requests_waiting", "Requests queued, not yet running.", labels=list(LABELS))
+        running = GaugeMetricFamily("sluice_requests_running", "Sequences running.", labels=list(LABELS))
+        kv_usage = GaugeMetricFamily("sluice_kv_cache_usage_ratio", "KV blocks in use over the pool.", labels=list(LABELS))
+        for name, served in list(self.engine.models.items()):
+            for bucket in served.table.buckets:
+                stats = bucket.stats()
+                labels = [name, bucket.name]
+                for outcome, count in (
+                    ("ok", stats.num_finished), ("rejected", stats.num_rejected), ("timeout", stats.num_timed_out),
+                    ("cancelled", stats.num_cancelled), ("error", stats.num_failed),
+                ):
+                    requests.add_metric([*labels, outcome], count)
+                preemptions.add_metric(labels, stats.num_preemptions)
+                waiting.add_metric(labels, stats.num_waiting)
+                running.add_metric(labels, stats.num_running)
+                kv_usage.add_metric(labels, stats.kv_usage)
+        busy = GaugeMetricFamily("sluice_slice_busy_ratio", "Share of the last 10 s the slice's worker stepped.", labels=["slice"])
+        busy_s = CounterMetricFamily("sluice_slice_busy_seconds", "Seconds the slice's worker spent stepping.", labels=["slice"])
+        for slice_name, device_slice in self.engine.slices.items():
+            busy.add_metric([slice_name], device_slice.busy_ratio())
+            busy_s.add_metric([slice_name], device_slice.busy_s)
+        yield from (requests, preemptions, waiting, running, kv_usage, busy, busy_s)

@@ -1,0 +1,140 @@
+"""``/metrics`` against a real server: every metric the issue names is exposed with ``model`` and
+``bucket`` labels, the TTFT and queue-time histograms agree with what the client measured, and
+the Grafana dashboard in ``configs/`` names only metrics that exist."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+
+GRAFANA = Path(__file__).parents[2] / "configs" / "grafana-dashboard.json"
+NUM_REQUESTS = 4
+# The client's clock starts before the request is sent and parsed; the server's at arrival.
+MAX_CLIENT_SERVER_GAP_S = 0.15
+EXPECTED = {
+    "histogram": [
+        "sluice_time_to_first_token_seconds", "sluice_inter_token_latency_seconds", "sluice_e2e_request_latency_seconds",
+        "sluice_request_queue_time_seconds", "sluice_batch_size", "sluice_batch_tokens", "sluice_padding_ratio",
+    ],
+    "counter": ["sluice_requests", "sluice_prompt_tokens", "sluice_generation_tokens", "sluice_preemptions"],
+    "gauge": ["sluice_requests_waiting", "sluice_requests_running", "sluice_kv_cache_usage_ratio", "sluice_slice_busy_ratio"],
+}
+
+
+@pytest.fixture(scope="module")
+def metrics_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The test config with one sequence at a time in the short generation bucket, so requests queue."""
+    config = yaml.safe_load(CONFIG.read_text())
+    model = next(m for m in config["models"] if m["name"] == GENERATE_MODEL)
+    model["buckets"][0]["batcher"]["max_num_seqs"] = 1
+    folder: Path = tmp_path_factory.mktemp("metrics")
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with run_server(path, folder / "server.log") as url:
+        yield url
+
+
+def scrape(url: str) -> dict[str, Any]:
+    """``{family name: family}`` from ``/metrics``."""
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {family.name: family for family in text_string_to_metric_families(response.text)}
+
+
+def sample(families: dict[str, Any], family: str, suffix: str, **labels: str) -> float:
+    """The value of ``family`` + ``suffix`` with ``labels`` (0 when absent)."""
+    for s in families[family].samples if family in families else []:
+        if s.name == family + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    return 0.0
+
+
+async def _streamed_ttft_s(client: httpx.AsyncClient, body: dict[str, Any]) -> float:
+    started = time.monotonic()
+    ttft: float | None = None
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if ttft is None and line.startswith("data: "):
+                ttft = time.monotonic() - started
+    assert ttft is not None, "no chunk"
+    return ttft
+
+
+def test_every_named_metric_is_exposed_with_model_and_bucket_labels(metrics_url: str) -> None:
+    httpx.post(f"{metrics_url}/v1/embeddings", json={"model": EMBED_MODEL, "input": ["one", "two words"]}, timeout=60)
+    body = {"model": GENERATE_MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    httpx.post(f"{metrics_url}/v1/completions", json=body, timeout=60)
+    families = scrape(metrics_url)
+    for kind, names in EXPECTED.items():
+        for name in names:
+            assert name in families, f"{name} missing"
+            assert families[name].type == kind, (name, families[name].type)
+    labelled = [s for s in families["sluice_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert {(s.labels["model"], s.labels["bucket"]) for s in labelled} >= {(GENERATE_MODEL, "le48"), (EMBED_MODEL, "le16")}
+    assert sample(families, "sluice_requests", "_total", model=GENERATE_MODEL, bucket="le48", outcome="ok") >= 1
+    assert sample(families, "sluice_generation_tokens", "_total", model=GENERATE_MODEL, bucket="le48") >= 3
+    assert sample(families, "sluice_padding_ratio", "_count", model=EMBED_MODEL, bucket="le16") >= 1
+    assert 0.0 <= sample(families, "sluice_slice_busy_ratio", "", slice="cpu0") <= 1.0
+
+
+def test_ttft_and_queue_time_agree_with_the_client(metrics_url: str) -> None:
+    labels = {"model": GENERATE_MODEL, "bucket": "le48"}
+    before = scrape(metrics_url)
+    body = {"model": GENERATE_MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[float]:
+        async with httpx.AsyncClient(base_url=metrics_url, timeout=120) as client:
+            return list(await asyncio.gather(*(_streamed_ttft_s(client, body) for _ in range(NUM_REQUESTS))))
+
+    client_ttfts = asyncio.run(run())
+    time.sleep(0.2)  # the last request is observed as its stream closes
+    after = scrape(metrics_url)
+
+    def delta(family: str, suffix: str) -> float:
+        return sample(after, family, suffix, **labels) - sample(before, family, suffix, **labels)
+
+    assert delta("sluice_time_to_first_token_seconds", "_count") == NUM_REQUESTS
+    assert delta("sluice_request_queue_time_seconds", "_count") == NUM_REQUESTS
+    server_ttft_s = delta("sluice_time_to_first_token_seconds", "_sum")
+    server_queue_s = delta("sluice_request_queue_time_seconds", "_sum")
+    print(
+        f"TTFT sum over {NUM_REQUESTS} requests: client {sum(client_ttfts):.3f} s, server {server_ttft_s:.3f} s; "
+        f"server queue time {server_queue_s:.3f} s"
+    )
+    assert 0 <= sum(client_ttfts) - server_ttft_s <= NUM_REQUESTS * MAX_CLIENT_SERVER_GAP_S
+    # One sequence at a time: the later requests' TTFT is mostly waiting for the earlier ones.
+    assert server_queue_s <= server_ttft_s
+    assert server_queue_s >= 0.5 * server_ttft_s
+    # The histogram's buckets hold each request where the client saw it (within the gap).
+    le = [(float(s.labels["le"]), s.value) for s in after["sluice_time_to_first_token_seconds"].samples
+          if s.name.endswith("_bucket") and s.labels.get("bucket") == "le48"]
+    slowest = max(client_ttfts)
+    assert dict(le)[float("inf")] >= NUM_REQUESTS
+    assert all(v >= NUM_REQUESTS for bound, v in le if bound >= slowest + MAX_CLIENT_SERVER_GAP_S)
+
+
+def test_the_grafana_dashboard_names_only_metrics_that_exist(metrics_url: str) -> None:
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert len(exprs) >= 10
+    named = {m for expr in exprs for m in re.findall(r"\bsluice_[a-z0-9_]+", expr)}
+    families = scrape(metrics_url)
+    exposed = {s.name for family in families.values() for s in family.samples} | set(families)
+    assert named, "the dashboard names no sluice metric"
+    assert named <= exposed, f"named but not exposed: {sorted(named - exposed)}"
+    all_names = {n for names in EXPECTED.values() for n in names}
+    assert {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in named} >= all_names
