@@ -56,6 +56,11 @@ class AdmissionGate:
         self._busy_drain = BusyDrainRate()
         self._lock = threading.Lock()
 
+    def set_limits(self, max_queue_len: int, max_queued_tokens: int | None) -> None:
+        """New limits for the next admission (thread-safe)."""
+        with self._lock:
+            self.max_queue_len, self.max_queued_tokens = max_queue_len, max_queued_tokens
+
     def admit(self, num_tokens: int, timeout_s: float | None = None) -> Ticket:
         """Count a request of ``num_tokens`` prompt tokens (that must start within ``timeout_s``
         seconds; ``None``: no deadline) as queued.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from buckets.request import Request
 from buckets.stats import BatchObserver, BucketStats
@@ -29,6 +29,13 @@ class Batcher(Protocol):
 
     def step(self) -> None:
         """Run one forward (a continuous step or a dynamic batch) and emit its results."""
+
+    def update_settings(self, settings: Any) -> None:
+        """Use new settings of the same kind from the next step or batch on (thread-safe).
+
+        Raises:
+            ValueError: a setting that cannot change for a running batcher differs.
+        """
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Call ``observer(num_seqs, num_tokens, num_padding_tokens)`` after every forward (worker thread)."""

@@ -6,11 +6,13 @@ and a short request never waits behind a long prefill in the same queue.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 
 from buckets.admission import AdmissionGate
 from buckets.batcher import Batcher
 from buckets.device_slice import DeviceSlice
+from buckets.errors import BucketClosedError
 from buckets.request import Request
 from buckets.stats import BucketStats
 
@@ -32,9 +34,26 @@ class Bucket:
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None
     gate: AdmissionGate = field(init=False, repr=False)
+    closed: bool = field(default=False, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.max_queue_len, self.max_queued_tokens)
+
+    def close(self) -> None:
+        """Take no new requests (a new layout replaced this bucket); those admitted run on."""
+        with self._lock:
+            self.closed = True
+
+    def is_idle(self) -> bool:
+        """Nothing queued (admission tickets included) or running."""
+        stats = self.batcher.stats()
+        return not (stats.num_waiting or stats.num_running or self.gate.num_queued)
+
+    def set_queue_limits(self, max_queue_len: int, max_queued_tokens: int | None) -> None:
+        """New admission limits, for the next request on (requests already queued stay)."""
+        self.gate.set_limits(max_queue_len, max_queued_tokens)
+        self.max_queue_len, self.max_queued_tokens = max_queue_len, max_queued_tokens
 
     def submit(self, request: Request) -> None:
         """Queue a request on this bucket's batcher and wake its slice (thread-safe).
@@ -43,9 +62,13 @@ class Bucket:
             QueueFullError: the queue is at ``max_queue_len`` or ``max_queued_tokens``; nothing queued.
             DeadlineUnmeetableError: (a ``QueueFullError``) the queue's expected wait is past the
                 request's deadline; nothing queued.
+            BucketClosedError: the bucket was replaced; nothing queued.
         """
         timeout_s = None if request.deadline_s is None else request.deadline_s - self.gate.clock()
-        ticket = self.gate.admit(request.num_prompt_tokens, timeout_s)
+        with self._lock:  # a close() either sees this ticket counted or this submit sees it closed
+            if self.closed:
+                raise BucketClosedError(f"bucket {self.name!r} of {self.model_name!r} was replaced")
+            ticket = self.gate.admit(request.num_prompt_tokens, timeout_s)
         request.info["bucket"] = self.name
         request.on_dequeue = ticket.release
         try:

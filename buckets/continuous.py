@@ -59,6 +59,7 @@ class ContinuousBatcher:
         self._eos_token_ids = eos_token_ids
         self._inbox: collections.deque[GenerationRequest] = collections.deque()
         self._counters = Counters()
+        self._pending_settings: ContinuousBatcherSettings | None = None
 
     def submit(self, request: Request) -> None:
         assert isinstance(request, GenerationRequest)
@@ -75,7 +76,23 @@ class ContinuousBatcher:
         candidates = inbox + ([scheduled] if scheduled is not None else [])
         return min(candidates) if candidates else None
 
+    def update_settings(self, settings: ContinuousBatcherSettings) -> None:
+        """Use ``settings`` from the next step on (thread-safe: the worker applies them).
+
+        Raises:
+            ValueError: ``block_size`` or ``enable_prefix_caching`` differ; they shape the KV pool.
+        """
+        if (settings.block_size, settings.enable_prefix_caching) != (
+            self.settings.block_size, self.settings.enable_prefix_caching
+        ):
+            raise ValueError("block_size and enable_prefix_caching are fixed for a bucket's life")
+        self._pending_settings = settings
+
     def step(self) -> None:
+        settings, self._pending_settings = self._pending_settings, None
+        if settings is not None:
+            self.settings = settings
+            self.scheduler.update_settings(settings)
         self._take_inbox()
         cancelled, expired = self.scheduler.drop_ended(self.clock())
         for seq in cancelled:

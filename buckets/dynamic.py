@@ -86,6 +86,10 @@ class DynamicBatcher:
             request.emit(EmbeddingEvent(embedding=row, num_prompt_tokens=request.num_prompt_tokens))
         self._counters.num_finished += len(batch)
 
+    def update_settings(self, settings: DynamicBatcherSettings) -> None:
+        """Use ``settings`` from the next batch on (one reference swap: thread-safe)."""
+        self.settings = settings
+
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Call ``observer(num_seqs, num_tokens, num_padding_tokens)`` after every forward (worker thread)."""
         self._counters.observers.append(observer)

@@ -37,3 +37,7 @@ class DeadlineUnmeetableError(QueueFullError):
 
 class DeadlineExceededError(BucketError):
     """The request's deadline passed before it produced anything; it was dropped and its blocks freed."""
+
+
+class BucketClosedError(BucketError):
+    """The bucket was replaced by a new layout and takes no new requests; route to the new one."""

@@ -84,6 +84,15 @@ class Scheduler:
         self._released: list[int] = []
         self._step_ids = itertools.count()
 
+    def update_settings(self, settings: ContinuousBatcherSettings) -> None:
+        """New budgets (and aging) from now on; the waiting queue is re-keyed when the aging changes."""
+        if settings.priority_aging_s != self.settings.priority_aging_s:
+            waiting = AgingPriorityQueue[Sequence](settings.priority_aging_s)
+            for seq in self.waiting:
+                waiting.push(seq, seq.request.priority, seq.arrival_s)
+            self.waiting = waiting
+        self.settings = settings
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._released)

@@ -1,4 +1,10 @@
-"""The admin API (``/admin/*``): inspect served models, drain and unload them.
+"""The admin API (``/admin/*``): inspect, load, reconfigure, drain and unload models at run time.
+
+A change is validated first, as a whole new effective config (the same pydantic models as the
+config file): an invalid one gets a 422 naming the field and reason, and nothing changes. A
+bucket layout change builds new buckets, swaps the model's ``BucketTable`` in one step for new
+requests, and drains the old buckets in the background: every request already admitted finishes
+where it is. A knob change applies from the bucket's next step or batch.
 
 Auth is a bearer token from the environment variable ``SLUICE_ADMIN_TOKEN``, compared in
 constant time (``hmac.compare_digest``); a missing or wrong token gets a 401. With no token set
@@ -17,12 +23,16 @@ from dataclasses import asdict
 from typing import Any
 
 import structlog
-from litestar import Controller, delete, get
+import yaml
+from litestar import Controller, delete, get, patch, post, put
+from litestar.response import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from gateway.config import BucketConfig, GatewayConfig, ModelConfig
 from gateway.engine import Engine, ServedModel
-from gateway.errors import APIError, model_not_found
+from gateway.errors import APIError, ConfigError, model_not_found, validation_error
 
 ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 
@@ -104,7 +114,8 @@ class AdminController(Controller):
     @get("/models")
     async def list_models(self, request: Any) -> dict[str, Any]:
         engine: Engine = request.app.state.engine
-        return {"models": [describe_model(m) for m in engine.models.values()]}
+        loading = [{"name": name, "state": "loading"} for name in sorted(_loading(request))]
+        return {"models": [describe_model(m) for m in engine.models.values()] + loading}
 
     @get("/models/{model:str}")
     async def get_model(self, request: Any, model: str) -> dict[str, Any]:
@@ -117,15 +128,184 @@ class AdminController(Controller):
     @delete("/models/{model:str}", status_code=200)
     async def unload_model(self, request: Any, model: str) -> dict[str, Any]:
         """Drain ``model`` (503 for new requests, admitted ones finish) and unload it."""
+        async with _changes(request):
+            engine: Engine = request.app.state.engine
+            served = engine.models.get(model)
+            if served is None or served.draining:
+                raise model_not_found(model) if served is None else APIError(
+                    409, f"The model '{model}' is already draining", "invalid_request_error", code="model_draining"
+                )
+            before = served.state
+            client = request.client.host if request.client else None
+            audit_log.info("admin_audit", who=client, action="unload_model", model=model, before=before, after="draining")
+            result = await asyncio.to_thread(engine.unload, model, engine.config.drain_timeout_s)
+            audit_log.info("admin_audit", who=client, action="unload_model", model=model, before="draining", after="unloaded", **result)
+            return {"model": model, "state": "unloaded", **result}
+
+    @post("/models", status_code=201)
+    async def load_model(self, request: Any) -> dict[str, Any]:
+        """Load a model from a ``models[]`` config entry and serve it."""
+        async with _changes(request):
+            engine: Engine = request.app.state.engine
+            data = await _json_object(request)
+            name = data.get("name")
+            if isinstance(name, str) and (name in engine.models or name in _loading(request)):
+                raise APIError(409, f"The model '{name}' is already served or loading", "invalid_request_error", "name", "model_exists")
+            config = _validated({**_config_data(engine.config), "models": [*_models_data(engine.config), data]})
+            model = config.models[-1]
+            _loading(request).add(model.name)
+            try:
+                served = await asyncio.to_thread(_configured, engine.load, model, config)
+            finally:
+                _loading(request).discard(model.name)
+            _audit(request, "load_model", model.name, None, model.model_dump(mode="json"))
+            return describe_model(served)
+
+    @put("/models/{model:str}/buckets")
+    async def replace_buckets(self, request: Any, model: str) -> dict[str, Any]:
+        """Replace the whole bucket layout; the old buckets drain in the background."""
+        async with _changes(request):
+            engine: Engine = request.app.state.engine
+            served = _ready_model(engine, model)
+            data = await _json_object(request)
+            index = _model_index(engine.config, model)
+            models = _models_data(engine.config)
+            models[index] = {**models[index], "buckets": data.get("buckets")}
+            config = _validated({**_config_data(engine.config), "models": models})
+            before = [b.model_dump(mode="json") for b in served.config.buckets]
+            old = await asyncio.to_thread(_configured, engine.replace_layout, model, config.models[index], config)
+            engine.retire(old, engine.config.drain_timeout_s)
+            _audit(request, "replace_buckets", model, before, [b.model_dump(mode="json") for b in config.models[index].buckets])
+            return {**describe_model(served), "draining_buckets": [b.name for b in old]}
+
+    @patch("/models/{model:str}/buckets/{bucket:str}")
+    async def patch_bucket(self, request: Any, model: str, bucket: str) -> dict[str, Any]:
+        """Change knobs of one bucket, from its next step or batch."""
+        async with _changes(request):
+            engine: Engine = request.app.state.engine
+            served = _ready_model(engine, model)
+            try:
+                knobs = BucketPatch.model_validate(await _json_object(request))
+            except ValidationError as exc:
+                raise validation_error(exc, status_code=422) from None
+            position = next((i for i, b in enumerate(served.config.buckets) if b.bucket_name == bucket), None)
+            if position is None:
+                raise APIError(404, f"The model '{model}' has no bucket '{bucket}'", "not_found_error", "bucket", "bucket_not_found")
+            index = _model_index(engine.config, model)
+            models = _models_data(engine.config)
+            old = models[index]["buckets"][position]
+            changes = knobs.model_dump(exclude_unset=True)
+            queue = {k: v for k, v in changes.items() if k in BUCKET_LEVEL_KNOBS}
+            batcher = {k: v for k, v in changes.items() if k not in BUCKET_LEVEL_KNOBS}
+            models[index]["buckets"][position] = {**old, **queue, "batcher": {**old["batcher"], **batcher}}
+            config = _validated({**_config_data(engine.config), "models": models})
+            try:
+                engine.update_bucket(model, bucket, config.models[index], config)
+            except ValueError as exc:
+                raise APIError(422, str(exc), "invalid_request_error") from None
+            new = config.models[index].buckets[position].model_dump(mode="json")
+            _audit(request, "patch_bucket", f"{model}/{bucket}", old, new)
+            return {"model": model, "bucket": bucket, "config": new}
+
+    @get("/config")
+    async def effective_config(self, request: Any, format: str = "json") -> Response[Any]:
+        """The effective config (``?format=yaml`` or ``json``), loadable by ``sluice serve --config``."""
         engine: Engine = request.app.state.engine
-        served = engine.models.get(model)
-        if served is None or served.draining:
-            raise model_not_found(model) if served is None else APIError(
-                409, f"The model '{model}' is already draining", "invalid_request_error", code="model_draining"
-            )
-        before = served.state
-        client = request.client.host if request.client else None
-        audit_log.info("admin_audit", who=client, action="unload_model", model=model, before=before, after="draining")
-        result = await asyncio.to_thread(engine.unload, model, engine.config.drain_timeout_s)
-        audit_log.info("admin_audit", who=client, action="unload_model", model=model, before="draining", after="unloaded", **result)
-        return {"model": model, "state": "unloaded", **result}
+        data = engine.config.model_dump(mode="json", exclude_defaults=True)
+        if format == "yaml":
+            return Response(yaml.safe_dump(data, sort_keys=False), media_type="application/yaml")
+        if format != "json":
+            raise APIError(400, "format must be 'json' or 'yaml'", "invalid_request_error", "format")
+        return Response(data)
+
+
+# Knobs of the bucket (admission); the rest belong to its batcher.
+BUCKET_LEVEL_KNOBS = frozenset({"max_queue_len", "max_queued_tokens"})
+
+
+class BucketPatch(BaseModel):
+    """``PATCH /admin/models/{model}/buckets/{bucket}``: the knobs that may change on a running
+    bucket (a dynamic bucket's or a continuous bucket's own; the other kind's are a 422)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int | None = Field(default=None, ge=1)
+    max_queue_delay_ms: float | None = Field(default=None, ge=0)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    priority_aging_s: float | None = Field(default=None, gt=0)
+    max_queue_len: int | None = Field(default=None, ge=1)
+    max_queued_tokens: int | None = Field(default=None, ge=1)
+
+
+async def _json_object(request: Any) -> dict[str, Any]:
+    """The request's JSON object body. Raises APIError 400 when it is not one."""
+    try:
+        data = await request.json()
+    except Exception:  # litestar raises its own decode errors
+        data = None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object", "invalid_request_error", code="invalid_json")
+    return data
+
+
+def _config_data(config: GatewayConfig) -> dict[str, Any]:
+    return config.model_dump(mode="json")
+
+
+def _models_data(config: GatewayConfig) -> list[dict[str, Any]]:
+    return [m.model_dump(mode="json") for m in config.models]
+
+
+def _model_index(config: GatewayConfig, name: str) -> int:
+    return next(i for i, m in enumerate(config.models) if m.name == name)
+
+
+def _validated(data: dict[str, Any]) -> GatewayConfig:
+    """``data`` as a whole effective config.
+
+    Raises:
+        APIError: 422 naming the field (a dotted path in the config) and the reason.
+    """
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, status_code=422) from None
+
+
+def _configured(action: Any, *args: Any) -> Any:
+    """Run an engine change; its ``ConfigError`` (KV pools over a slice's budget) is a 422."""
+    try:
+        return action(*args)
+    except ConfigError as exc:
+        raise APIError(422, str(exc), "invalid_request_error", code="kv_cache_memory_exceeded") from None
+
+
+def _ready_model(engine: Engine, name: str) -> ServedModel:
+    served = engine.models.get(name)
+    if served is None:
+        raise model_not_found(name)
+    if served.draining:
+        raise APIError(409, f"The model '{name}' is draining", "invalid_request_error", code="model_draining")
+    return served
+
+
+def _loading(request: Any) -> set[str]:
+    """Names of the models being loaded (listed with state ``loading``)."""
+    state = request.app.state
+    if not hasattr(state, "loading_models"):
+        state.loading_models = set()
+    return state.loading_models  # type: ignore[no-any-return]
+
+
+def _changes(request: Any) -> asyncio.Lock:
+    """One admin change at a time: each reads the effective config and writes a new one."""
+    state = request.app.state
+    if not hasattr(state, "admin_lock"):
+        state.admin_lock = asyncio.Lock()
+    return state.admin_lock  # type: ignore[no-any-return]
+
+
+def _audit(request: Any, action: str, target: str, before: Any, after: Any) -> None:
+    client = request.client.host if request.client else None
+    audit_log.info("admin_audit", who=client, action=action, model=target, before=before, after=after)

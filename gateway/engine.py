@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,7 +18,7 @@ from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from buckets.request import Request
 from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
-from gateway.config import BucketConfig, ContinuousBatcherConfig, GatewayConfig, ModelConfig
+from gateway.config import BucketConfig, ContinuousBatcherConfig, DynamicBatcherConfig, GatewayConfig, ModelConfig
 from models.cpu_memory import release_memory
 from models.loader import LoadedModel, load_model
 from models.source import default_cache_dir
@@ -97,11 +98,35 @@ class ServedModel:
 
     def is_idle(self) -> bool:
         """No request queued or running in any of its buckets (admission tickets included)."""
-        for bucket in self.table.buckets:
-            stats = bucket.batcher.stats()
-            if stats.num_waiting or stats.num_running or bucket.gate.num_queued:
-                return False
-        return True
+        return all(bucket.is_idle() for bucket in self.table.buckets)
+
+
+def continuous_settings(config: ContinuousBatcherConfig) -> ContinuousBatcherSettings:
+    return ContinuousBatcherSettings(
+        config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
+        config.priority_aging_s,
+    )
+
+
+def dynamic_settings(config: DynamicBatcherConfig) -> DynamicBatcherSettings:
+    return DynamicBatcherSettings(config.max_batch_size, config.max_queue_delay_ms, config.priority_aging_s)
+
+
+def drain_buckets(buckets: list[Bucket], timeout_s: float, poll_s: float = 0.02) -> tuple[float, int]:
+    """Wait until ``buckets`` (closed or draining: taking no new requests) are idle, for at most
+    ``timeout_s``; then take their batchers off their slices and fail what is left.
+    Returns ``(seconds waited, requests failed)``."""
+    started = time.monotonic()
+    while not all(b.is_idle() for b in buckets) and time.monotonic() - started < timeout_s:
+        time.sleep(poll_s)
+    drain_s = time.monotonic() - started
+    num_unfinished = 0
+    for bucket in buckets:
+        stats = bucket.batcher.stats()
+        num_unfinished += stats.num_waiting + stats.num_running
+        bucket.device_slice.detach(bucket.batcher)
+        bucket.batcher.shutdown()
+    return drain_s, num_unfinished
 
 
 class Engine:
@@ -119,11 +144,9 @@ class Engine:
         }
         self.models: dict[str, ServedModel] = {}
         self.request_observers: list[RequestObserver] = []
+        self.retiring: list[Bucket] = []  # closed buckets still draining after a layout change
         self.bucket_hooks: list[BucketHook] = []
-        self.kv_memory_bytes = split_kv_memory(
-            config,
-            {s.name: int(s.kv_cache_memory_bytes or default_kv_cache_memory_bytes(s.device)) for s in config.slices},
-        )
+        self.kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
 
     def start(self) -> None:
         for model_config in self.config.models:
@@ -152,31 +175,103 @@ class Engine:
         """
         served = self.models[name]
         served.draining = True
-        started = time.monotonic()
-        while not served.is_idle() and time.monotonic() - started < drain_timeout_s:
-            time.sleep(poll_s)
-        drain_s = time.monotonic() - started
-        num_unfinished = 0
-        for bucket in served.table.buckets:
-            stats = bucket.batcher.stats()
-            num_unfinished += stats.num_waiting + stats.num_running
-            bucket.device_slice.detach(bucket.batcher)
-            bucket.batcher.shutdown()
+        drain_s, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s, poll_s)
         del self.models[name]
+        self.config = self.config.model_copy(update={"models": [m for m in self.config.models if m.name != name]})
         del served
         release_memory()
         return {"drain_s": drain_s, "num_unfinished": num_unfinished}
+
+    def load(self, model: ModelConfig, config: GatewayConfig) -> ServedModel:
+        """Load ``model`` (already validated as part of ``config``, the effective config with it)
+        and start serving it. Blocking (seconds): call it off the event loop.
+
+        Raises:
+            ConfigError: its KV pools do not fit the slices' budgets.
+        """
+        self.kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
+        served = self._load(model)
+        self.models[model.name] = served
+        self.config = config
+        return served
+
+    def replace_layout(self, name: str, model: ModelConfig, config: GatewayConfig) -> list[Bucket]:
+        """Serve model ``name`` through new buckets built from ``model.buckets``: the new table is
+        swapped in at once for new requests; the old buckets are closed and returned, still
+        running what they admitted (drain them with :func:`drain_buckets`). Blocking (KV pools
+        are allocated): call it off the event loop.
+
+        Raises:
+            ConfigError: the new KV pools do not fit the slices' budgets.
+        """
+        served = self.models[name]
+        self.kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
+        buckets = self._buckets(model, served.loaded)
+        old = served.table.buckets
+        served.table = BucketTable(buckets)  # one reference swap: routing sees old or new, whole
+        for bucket in old:
+            bucket.close()
+        served.config = model
+        self.config = config
+        return old
+
+    def update_bucket(self, name: str, bucket_name: str, model: ModelConfig, config: GatewayConfig) -> None:
+        """Apply the knobs of bucket ``bucket_name`` in ``model`` to the running bucket, from its
+        next step or batch (queue limits from the next request).
+
+        Raises:
+            ValueError: a knob that cannot change for a running bucket differs (``block_size``).
+        """
+        served = self.models[name]
+        bucket = served.table.by_name(bucket_name)
+        if bucket is None:
+            raise KeyError(bucket_name)
+        new = next(b for b in model.buckets if b.bucket_name == bucket_name)
+        knobs = new.batcher
+        settings = continuous_settings(knobs) if isinstance(knobs, ContinuousBatcherConfig) else dynamic_settings(knobs)
+        bucket.batcher.update_settings(settings)
+        bucket.set_queue_limits(new.max_queue_len, new.max_queued_tokens)
+        bucket.device_slice.notify()
+        served.config = model
+        self.config = config
+
+    def retire(self, buckets: list[Bucket], timeout_s: float) -> threading.Thread:
+        """Drain closed ``buckets`` on a background thread (:func:`drain_buckets`), then free their
+        KV pools. :attr:`retiring` lists them until they are gone."""
+        self.retiring.extend(buckets)
+
+        def run() -> None:
+            drain_s, num_unfinished = drain_buckets(buckets, timeout_s)
+            for retired in buckets:
+                self.retiring.remove(retired)
+            buckets.clear()
+            release_memory()
+            log.info("buckets_retired", drain_s=round(drain_s, 3), num_unfinished=num_unfinished)
+
+        thread = threading.Thread(target=run, name="retire-buckets", daemon=True)
+        thread.start()
+        return thread
+
+    def _slice_budgets(self) -> dict[str, int]:
+        return {
+            s.name: int(s.kv_cache_memory_bytes or default_kv_cache_memory_bytes(s.device)) for s in self.config.slices
+        }
 
     def _load(self, config: ModelConfig) -> ServedModel:
         device = self.slices[config.buckets[0].slice].device
         loaded = load_model(config.name, config.source, config.task, config.dtype, device, self.cache_dir)
         log.info("model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3))
+        buckets = self._buckets(config, loaded)
+        return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)
+
+    def _buckets(self, config: ModelConfig, loaded: LoadedModel) -> list[Bucket]:
+        """Build ``config``'s buckets on ``loaded`` and attach them to their slices."""
         buckets = [self._bucket(config, loaded, b) for b in config.buckets]
         for bucket in buckets:
             for hook in self.bucket_hooks:
                 hook(config.name, bucket)
             bucket.device_slice.attach(bucket.batcher)
-        return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)
+        return buckets
 
     def _bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig) -> Bucket:
         device_slice = self.slices[config.slice]
@@ -185,13 +280,7 @@ class Engine:
             from models.causal_lm import CausalLMRunner
 
             knobs = config.batcher
-            settings = ContinuousBatcherSettings(
-                knobs.max_num_seqs,
-                knobs.max_num_batched_tokens,
-                knobs.block_size,
-                knobs.enable_prefix_caching,
-                knobs.priority_aging_s,
-            )
+            settings = continuous_settings(knobs)
             memory_bytes = self.kv_memory_bytes[(model.name, config.bucket_name)]
             num_blocks = loaded.kv_shape().num_blocks_for(memory_bytes, knobs.block_size, loaded.dtype_bytes)
             if num_blocks < 1:
@@ -210,9 +299,7 @@ class Engine:
 
             pad_id = loaded.tokenizer.pad_token_id or 0
             runner = EmbeddingRunner(loaded.model, pad_id, loaded.folder)
-            batcher = DynamicBatcher(runner, DynamicBatcherSettings(
-                config.batcher.max_batch_size, config.batcher.max_queue_delay_ms, config.batcher.priority_aging_s
-            ))
+            batcher = DynamicBatcher(runner, dynamic_settings(config.batcher))
         max_seq_tokens = batcher.max_seq_tokens if isinstance(batcher, ContinuousBatcher) else None
         return Bucket(
             config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens,

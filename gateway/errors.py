@@ -6,6 +6,8 @@ Only the gateway maps errors to status codes. The body is OpenAI's shape:
 
 from __future__ import annotations
 
+import re
+
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
@@ -95,18 +97,25 @@ def model_unavailable(name: str, retry_after_s: int) -> APIError:
     )
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    """400 for a body that fails validation; ``param`` is the dotted path of the field at fault.
+def validation_error(exc: ValidationError, status_code: int = 400) -> APIError:
+    """400 (or ``status_code``: 422 for admin changes) for a body that fails validation;
+    ``param`` is the dotted path of the field at fault.
 
     Of pydantic's errors the one with the deepest path is reported, so a list item that fails
     every member of a union names the item (``input.1``) rather than the union (``input``).
+    A model-level validator words its message ``relative.path: reason`` (as the config's do);
+    that path is appended to the model's own.
     """
     errors = exc.errors()
     paths = [error_param(err) for err in errors]
     index = max(range(len(errors)), key=lambda i: len(paths[i].split(".")) if paths[i] else 0)
-    param = paths[index] or None
     message = errors[index]["msg"].removeprefix("Value error, ")
-    return invalid_request(f"{param}: {message}" if param else message, param=param)
+    param = paths[index]
+    relative = re.match(r"^([\w.]+): ", message) if errors[index]["type"] == "value_error" else None
+    if relative:
+        param = ".".join(p for p in (param, relative.group(1)) if p)
+        message = message[relative.end():]
+    return APIError(status_code, f"{param}: {message}" if param else message, "invalid_request_error", param or None)
 
 
 def error_param(err: ErrorDetails) -> str:

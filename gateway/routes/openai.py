@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from litestar import Controller, Request, get, post
@@ -15,10 +17,10 @@ from litestar.response import Response, Stream
 from pydantic import BaseModel, ValidationError
 
 from buckets.bucket import Bucket
-from buckets.errors import QueueFullError
+from buckets.errors import BucketClosedError, QueueFullError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest, TokenEvent
 from gateway.engine import ServedModel
-from gateway.errors import APIError, invalid_request, queue_full, validation_error
+from gateway.errors import APIError, invalid_request, model_unavailable, queue_full, validation_error
 from gateway.router import Router
 from gateway.routes.generation import collect_response, first_event, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
@@ -153,11 +155,13 @@ class OpenAIController(Controller):
         texts = body.inputs()
         check_num_inputs(served, len(texts))
         token_lists = await asyncio.to_thread(lambda: [router.tokenize(served, t) for t in texts])
-        buckets = [router.route(served, len(ids), 0, "input") for ids in token_lists]
+        for ids in token_lists:  # all inputs fit, or none is queued
+            router.route(served, len(ids), 0, "input")
         submitted: list[tuple[EmbeddingRequest, EventChannel]] = []
         try:
-            for bucket, ids in zip(buckets, token_lists):
-                submitted.append(_submit_embedding(served, bucket, ids, body.priority, arrival_s, deadline_s))
+            for ids in token_lists:
+                route = functools.partial(router.route, served, len(ids), 0, "input")
+                submitted.append(_submit_embedding(served, route, ids, body.priority, arrival_s, deadline_s))
         except APIError:
             for queued, _ in submitted:
                 queued.cancel()  # all inputs or none: the batcher drops them unrun
@@ -191,20 +195,32 @@ def _base64_floats(values: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
 
 
-def submit(served: ServedModel, bucket: Bucket, request: CoreRequest) -> None:
-    """Queue ``request`` on ``bucket``.
+# A layout can be replaced between routing and submitting; a request routes again this often.
+MAX_ROUTE_ATTEMPTS = 3
+
+
+def submit(served: ServedModel, route: Callable[[], Bucket], request: CoreRequest) -> None:
+    """Queue ``request`` on the bucket ``route()`` picks, routing again when a layout change
+    closed that bucket in between.
 
     Raises:
-        APIError: 429 ``queue_full`` with ``Retry-After`` when the bucket's queue is full.
+        APIError: 429 ``queue_full`` with ``Retry-After`` when the bucket's queue is full; 503
+            when every attempt met a closed bucket; the 400s of ``route``.
     """
-    try:
-        bucket.submit(request)
-    except QueueFullError as exc:
-        raise queue_full(served.config.name, bucket.name, exc) from None
+    for _ in range(MAX_ROUTE_ATTEMPTS):
+        bucket = route()
+        try:
+            bucket.submit(request)
+            return
+        except BucketClosedError:
+            continue
+        except QueueFullError as exc:
+            raise queue_full(served.config.name, bucket.name, exc) from None
+    raise model_unavailable(served.config.name, 1)
 
 
 def _submit_embedding(
-    served: ServedModel, bucket: Bucket, token_ids: list[int], priority: int, arrival_s: float, deadline_s: float | None
+    served: ServedModel, route: Callable[[], Bucket], token_ids: list[int], priority: int, arrival_s: float, deadline_s: float | None
 ) -> tuple[EmbeddingRequest, EventChannel]:
     channel = EventChannel()
     request = EmbeddingRequest(
@@ -215,7 +231,7 @@ def _submit_embedding(
         deadline_s=deadline_s,
     )
     request.timeline["arrival"] = arrival_s
-    submit(served, bucket, request)
+    submit(served, route, request)
     return request, channel
 
 
@@ -250,7 +266,7 @@ async def _generate(
     """
     if not prompt_ids:
         raise invalid_request("The prompt tokenizes to no tokens", param=prompt_param)
-    bucket = router.route(served, len(prompt_ids), max_tokens, prompt_param)
+    route = functools.partial(router.route, served, len(prompt_ids), max_tokens, prompt_param)
     params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed)
     channel = EventChannel()
     prefix = "chatcmpl" if chat else "cmpl"
@@ -266,7 +282,7 @@ async def _generate(
         ignore_eos=body.ignore_eos,
     )
     request.timeline["arrival"] = arrival_s
-    submit(served, bucket, request)
+    submit(served, route, request)
     watch = RequestWatch([request], [channel], deadline_s, http_request.receive)
     first = await first_event(served, request, channel, watch)
     assert isinstance(first, TokenEvent)
