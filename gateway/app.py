@@ -16,6 +16,7 @@ from litestar.response import Response
 from buckets.bucket import Bucket
 from gateway.admin import AdminController
 from gateway.config import GatewayConfig
+from gateway.dashboard import DashboardController
 from gateway.engine import Engine
 from gateway.errors import APIError
 from gateway.metrics import CONTENT_TYPE, Metrics
@@ -99,7 +100,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             await asyncio.to_thread(engine.stop)
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminController, health, stats, metrics_endpoint],
+        route_handlers=[OpenAIController, AdminController, DashboardController, health, stats, metrics_endpoint],
         lifespan=[lifespan],
         state=_state(engine, metrics),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
