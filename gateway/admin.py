@@ -219,6 +219,12 @@ class AdminController(Controller):
         return Response(data)
 
 
+class LayoutBody(BaseModel):
+    """``PUT /admin/models/{model}/buckets``: the new layout, as the config file's ``buckets``."""
+
+    buckets: list[BucketConfig]
+
+
 # Knobs of the bucket (admission); the rest belong to its batcher.
 BUCKET_LEVEL_KNOBS = frozenset({"max_queue_len", "max_queued_tokens"})
 

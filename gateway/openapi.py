@@ -17,13 +17,18 @@ from litestar.plugins import ReceiveRoutePlugin
 from litestar.routes import BaseRoute, HTTPRoute
 from pydantic import BaseModel
 
+from gateway.admin import BucketPatch, LayoutBody
+from gateway.config import ModelConfig
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 
-# The body model of each POST route, by full path.
-REQUEST_BODIES: Mapping[str, type[BaseModel]] = {
-    "/v1/completions": CompletionBody,
-    "/v1/chat/completions": ChatCompletionBody,
-    "/v1/embeddings": EmbeddingBody,
+# The body model of each route that reads a body, by (method, full path as litestar registers it).
+REQUEST_BODIES: Mapping[tuple[str, str], type[BaseModel]] = {
+    ("POST", "/v1/completions"): CompletionBody,
+    ("POST", "/v1/chat/completions"): ChatCompletionBody,
+    ("POST", "/v1/embeddings"): EmbeddingBody,
+    ("POST", "/admin/models"): ModelConfig,
+    ("PUT", "/admin/models/{model:str}/buckets"): LayoutBody,
+    ("PATCH", "/admin/models/{model:str}/buckets/{bucket:str}"): BucketPatch,
 }
 
 # pydantic leaves a constraint on a union (``StrictFloat | StrictInt = Field(ge=0)``) under its
@@ -38,22 +43,23 @@ _FIELD_NAMES = {f.metadata.get("alias", f.name): f.name for f in fields(Schema)}
 
 
 class RequestBodySchemas(ReceiveRoutePlugin):
-    """A litestar plugin: documents the JSON body of each POST route named in ``bodies``.
+    """A litestar plugin: documents the JSON body of each route and method named in ``bodies``.
 
     litestar calls ``receive_route`` as each route is registered, before the schema is built.
     """
 
-    def __init__(self, bodies: Mapping[str, type[BaseModel]] = REQUEST_BODIES) -> None:
+    def __init__(self, bodies: Mapping[tuple[str, str], type[BaseModel]] = REQUEST_BODIES) -> None:
         self._bodies = dict(bodies)
 
     def receive_route(self, route: BaseRoute) -> None:
-        """Give the POST handler of a route named in ``bodies`` an operation class with its body."""
-        model = self._bodies.get(route.path)
-        if model is None or not isinstance(route, HTTPRoute):
+        """Give each handler of a route and method named in ``bodies`` an operation class with its body."""
+        if not isinstance(route, HTTPRoute):
             return
         for handler in route.route_handlers:
-            if "POST" in handler.http_methods:
-                handler.operation_class = operation_with_body(model)
+            for method in handler.http_methods:
+                model = self._bodies.get((method, route.path))
+                if model is not None:
+                    handler.operation_class = operation_with_body(model)
 
 
 def operation_with_body(model: type[BaseModel]) -> type[Operation]:

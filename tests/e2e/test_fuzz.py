@@ -157,15 +157,15 @@ def test_served_schema_documents_post_bodies(fuzz_server: FuzzServer) -> None:
 def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
     schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/schema/openapi.json", timeout=30)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations if op.method.upper() == "POST"} == set(POST_PATHS)
+    assert {op.path for op in operations if op.method.upper() == "POST" and op.path in POST_MODELS} == set(POST_PATHS)
     record = FuzzRecord()
     positive, negative = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
     with requests.Session() as session:
         send_valid = _sender(fuzz_server, session, record, "positive")
         send_invalid = _sender(fuzz_server, session, record, "negative")
         for op in operations:
-            is_post = op.method.upper() == "POST"
-            if not is_post:
+            if not (op.method.upper() == "POST" and op.path in POST_MODELS):
+                # GETs, and the admin routes (off on this server without a token: 404s).
                 _fuzz(op.as_strategy(positive), NUM_EXAMPLES_PER_GET, send_valid)
                 continue
             valid = _served_model_half_the_time(op.as_strategy(positive), POST_MODELS[op.path])
