@@ -286,12 +286,28 @@ async def _generate(
     watch = RequestWatch([request], [channel], deadline_s, http_request.receive)
     first = await first_event(served, request, channel, watch)
     assert isinstance(first, TokenEvent)
+    headers = timing_headers(request)
     if body.stream:
         watch.stop_disconnect_watch()  # the streaming response listens for the hang-up itself
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
             stream_response(served, request, channel, chat, include_usage, first, watch),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            headers={"Cache-Control": "no-cache", **headers},
         )
-    return Response(await collect_response(served, request, channel, chat, first, watch, body.return_token_ids))
+    body_out = await collect_response(served, request, channel, chat, first, watch, body.return_token_ids)
+    return Response(body_out, headers=headers)
+
+
+def timing_headers(request: CoreRequest) -> dict[str, str]:
+    """Where a request's first token came from, for load tools' per-bucket attribution:
+    ``x-sluice-bucket``, ``x-sluice-queue-ms`` (arrival to leaving the queue to run) and
+    ``x-sluice-prefill-ms`` (from then to the first token). Known once the first token is out."""
+    timeline = request.timeline
+    headers = {"x-sluice-bucket": str(request.info.get("bucket", ""))}
+    arrival, started, first = timeline.get("arrival"), timeline.get("started"), timeline.get("first_token")
+    if arrival is not None and started is not None:
+        headers["x-sluice-queue-ms"] = f"{max(0.0, started - arrival) * 1000:.1f}"
+    if started is not None and first is not None:
+        headers["x-sluice-prefill-ms"] = f"{max(0.0, first - started) * 1000:.1f}"
+    return headers

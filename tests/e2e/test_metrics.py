@@ -138,3 +138,29 @@ def test_the_grafana_dashboard_names_only_metrics_that_exist(metrics_url: str) -
     assert named <= exposed, f"named but not exposed: {sorted(named - exposed)}"
     all_names = {n for names in EXPECTED.values() for n in names}
     assert {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in named} >= all_names
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_carry_bucket_queue_and_prefill_timings(metrics_url: str, stream: bool) -> None:
+    """The one-sequence bucket makes the second request queue behind the first; its headers say so."""
+    body = {"model": GENERATE_MODEL, "prompt": "Count to ten:", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[tuple[httpx.Response, float]]:
+        async with httpx.AsyncClient(base_url=metrics_url, timeout=120) as client:
+            async def one(delay_s: float) -> tuple[httpx.Response, float]:
+                await asyncio.sleep(delay_s)
+                started = time.monotonic()
+                async with client.stream("POST", "/v1/completions", json={**body, "stream": stream}) as response:
+                    await response.aread()
+                return response, time.monotonic() - started
+
+            return list(await asyncio.gather(one(0.0), one(0.2)))
+
+    (first, _), (second, second_e2e_s) = asyncio.run(run())
+    for response in (first, second):
+        assert response.status_code == 200
+        assert response.headers["x-sluice-bucket"] == "le48"
+        assert float(response.headers["x-sluice-prefill-ms"]) >= 0
+    queue_ms = float(second.headers["x-sluice-queue-ms"])
+    assert queue_ms > 100, queue_ms  # waited for the first request's 24 tokens
+    assert queue_ms + float(second.headers["x-sluice-prefill-ms"]) <= second_e2e_s * 1000
