@@ -1,0 +1,108 @@
+"""The SLO tuner against a synthetic latency model, interval by interval on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.tuning import SLO, SLOTuner
+
+INTERVAL_S = 5.0
+
+
+class SyntheticBucket:
+    """p95 TTFT and TPOT that grow linearly with the batch knob (ms); ``slowdown`` scales both."""
+
+    def __init__(self, ttft_base_ms: float = 50.0, ttft_per_seq_ms: float = 20.0, tpot_base_ms: float = 20.0,
+                 tpot_per_seq_ms: float = 3.0) -> None:
+        self.ttft = (ttft_base_ms, ttft_per_seq_ms)
+        self.tpot = (tpot_base_ms, tpot_per_seq_ms)
+        self.slowdown = 1.0
+
+    def p95_ms(self, knob: int) -> tuple[float, float]:
+        return (
+            self.slowdown * (self.ttft[0] + self.ttft[1] * knob),
+            self.slowdown * (self.tpot[0] + self.tpot[1] * knob),
+        )
+
+
+def run(tuner: SLOTuner, bucket: SyntheticBucket, num_intervals: int, clock: list[float]) -> list[tuple[float, int, bool]]:
+    """``(time, knob, breached)`` per interval; the knob a proposal sets applies from the next one."""
+    history = []
+    for _ in range(num_intervals):
+        clock[0] += INTERVAL_S
+        ttft, tpot = bucket.p95_ms(tuner.value)
+        breached = tuner.slo.breached(ttft, tpot)
+        history.append((clock[0], tuner.value, breached))
+        tuner.propose(ttft, tpot, num_samples=50)
+    return history
+
+
+def assert_no_breach_lasts(history: list[tuple[float, int, bool]]) -> None:
+    """Every interval that breached the SLO is followed by one that does not."""
+    for (_, _, breached), (_, _, next_breached) in zip(history, history[1:]):
+        assert not (breached and next_breached), history
+
+
+def test_the_tuner_grows_to_the_largest_knob_the_slo_allows_and_stays() -> None:
+    slo = SLO(ttft_p95_ms=500.0, tpot_p95_ms=100.0)  # the model allows knob <= 22 (TTFT) and <= 26 (TPOT)
+    tuner = SLOTuner(slo, initial=1, min_value=1, max_value=256, headroom=0.1)
+    clock = [0.0]
+    history = run(tuner, SyntheticBucket(), 60, clock)
+    assert_no_breach_lasts(history)
+    assert sum(b for _, _, b in history) <= 2  # the doubling overshoot, then at most one re-probe
+    final = [knob for _, knob, _ in history[-10:]]
+    assert len(set(final)) == 1, history[-10:]
+    # Growth stops inside the headroom: 50 + 20 k > 0.9 * 500 once k > 20; the SLO itself allows 22.
+    assert 20 <= final[0] <= 22, history
+    print(f"converged to {final[0]} after {next(i for i, (_, k, _) in enumerate(history) if k == final[0])} intervals")
+
+
+def test_a_slowdown_backs_the_knob_off_then_holds_the_slo() -> None:
+    slo = SLO(ttft_p95_ms=500.0)
+    tuner = SLOTuner(slo, initial=4, min_value=1, max_value=64, headroom=0.1, ceiling_ttl_intervals=10)
+    bucket = SyntheticBucket()
+    clock = [0.0]
+    before = run(tuner, bucket, 30, clock)
+    steady = tuner.value
+    bucket.slowdown = 2.0  # the same knob now costs twice the latency
+    after = run(tuner, bucket, 40, clock)
+    assert_no_breach_lasts(before)
+    recovered = next(i for i, (_, _, breached) in enumerate(after) if not breached)
+    assert recovered <= 2, after  # the cuts compound: 22 -> 10 here
+    assert_no_breach_lasts(after[recovered:])
+    assert tuner.value < steady
+    ttft, _ = bucket.p95_ms(tuner.value)
+    assert ttft <= 500.0
+    # Re-probes after the ceiling expires breach at most once per ceiling lifetime (10 intervals).
+    assert sum(b for _, _, b in after) <= 1 + len(after) // 10
+
+
+def test_the_tuner_holds_until_enough_requests_have_finished() -> None:
+    tuner = SLOTuner(SLO(ttft_p95_ms=100.0), initial=8, min_value=1, max_value=64, min_samples=20)
+    assert tuner.propose(10.0, None, num_samples=5) is None
+    assert tuner.propose(500.0, None, num_samples=19) is None
+    assert tuner.propose(500.0, None, num_samples=20) == 1  # no known good value: 8 * 0.8 * 100 / 500
+    tuner = SLOTuner(SLO(ttft_p95_ms=100.0), initial=8, min_value=1, max_value=64, min_samples=20)
+    assert tuner.propose(110.0, None, num_samples=20) == 4  # a small breach still halves
+    assert tuner.propose(10.0, None, num_samples=20) == 6  # halfway to the breaching ceiling 8
+    assert tuner.propose(10.0, None, num_samples=20) == 7
+    assert tuner.propose(10.0, None, num_samples=20) is None  # never reaches the ceiling while it lasts
+
+
+def test_bounds_are_kept_and_checked() -> None:
+    tuner = SLOTuner(SLO(tpot_p95_ms=50.0), initial=60, min_value=2, max_value=64)
+    assert tuner.propose(None, 1.0, num_samples=100) == 64
+    assert tuner.propose(None, 1.0, num_samples=100) is None
+    low = SLOTuner(SLO(tpot_p95_ms=50.0), initial=3, min_value=2, max_value=64)
+    assert low.propose(None, 99.0, num_samples=100) == 2
+    assert low.propose(None, 99.0, num_samples=100) is None  # at the floor it holds
+    with pytest.raises(ValueError):
+        SLOTuner(SLO(), initial=0, min_value=1, max_value=8)
+    with pytest.raises(ValueError):
+        SLOTuner(SLO(), initial=4, min_value=1, max_value=8, headroom=1.0)
+
+
+def test_an_unconstrained_or_unknown_latency_does_not_grow_the_knob() -> None:
+    tuner = SLOTuner(SLO(ttft_p95_ms=100.0, tpot_p95_ms=50.0), initial=4, min_value=1, max_value=64)
+    assert tuner.propose(10.0, None, num_samples=100) is None  # TPOT unknown: no headroom shown
+    assert tuner.propose(10.0, 5.0, num_samples=100) == 8
