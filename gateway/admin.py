@@ -188,22 +188,9 @@ class AdminController(Controller):
                 knobs = BucketPatch.model_validate(await _json_object(request))
             except ValidationError as exc:
                 raise validation_error(exc, status_code=422) from None
-            position = next((i for i, b in enumerate(served.config.buckets) if b.bucket_name == bucket), None)
-            if position is None:
+            if not any(b.bucket_name == bucket for b in served.config.buckets):
                 raise APIError(404, f"The model '{model}' has no bucket '{bucket}'", "not_found_error", "bucket", "bucket_not_found")
-            index = _model_index(engine.config, model)
-            models = _models_data(engine.config)
-            old = models[index]["buckets"][position]
-            changes = knobs.model_dump(exclude_unset=True)
-            queue = {k: v for k, v in changes.items() if k in BUCKET_LEVEL_KNOBS}
-            batcher = {k: v for k, v in changes.items() if k not in BUCKET_LEVEL_KNOBS}
-            models[index]["buckets"][position] = {**old, **queue, "batcher": {**old["batcher"], **batcher}}
-            config = _validated({**_config_data(engine.config), "models": models})
-            try:
-                engine.update_bucket(model, bucket, config.models[index], config)
-            except ValueError as exc:
-                raise APIError(422, str(exc), "invalid_request_error") from None
-            new = config.models[index].buckets[position].model_dump(mode="json")
+            old, new = change_knobs(engine, model, bucket, knobs.model_dump(exclude_unset=True))
             _audit(request, "patch_bucket", f"{model}/{bucket}", old, new)
             return {"model": model, "bucket": bucket, "config": new}
 
@@ -223,6 +210,30 @@ class LayoutBody(BaseModel):
     """``PUT /admin/models/{model}/buckets``: the new layout, as the config file's ``buckets``."""
 
     buckets: list[BucketConfig]
+
+
+def change_knobs(engine: Engine, model: str, bucket: str, changes: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Apply knob ``changes`` to bucket ``bucket`` of ``model``: validated as a whole new config,
+    then live from the bucket's next step (the admin PATCH and the SLO tuner both come here).
+    Returns the bucket's config before and after (JSON).
+
+    Raises:
+        APIError: 422 naming the field when the changed config is invalid; nothing changes then.
+    """
+    served = engine.models[model]
+    position = next(i for i, b in enumerate(served.config.buckets) if b.bucket_name == bucket)
+    index = _model_index(engine.config, model)
+    models = _models_data(engine.config)
+    old = models[index]["buckets"][position]
+    queue = {k: v for k, v in changes.items() if k in BUCKET_LEVEL_KNOBS}
+    batcher = {k: v for k, v in changes.items() if k not in BUCKET_LEVEL_KNOBS}
+    models[index]["buckets"][position] = {**old, **queue, "batcher": {**old["batcher"], **batcher}}
+    config = _validated({**_config_data(engine.config), "models": models})
+    try:
+        engine.update_bucket(model, bucket, config.models[index], config)
+    except ValueError as exc:
+        raise APIError(422, str(exc), "invalid_request_error") from None
+    return old, config.models[index].buckets[position].model_dump(mode="json")
 
 
 # Knobs of the bucket (admission); the rest belong to its batcher.
@@ -305,11 +316,9 @@ def _loading(request: Any) -> set[str]:
 
 
 def _changes(request: Any) -> asyncio.Lock:
-    """One admin change at a time: each reads the effective config and writes a new one."""
-    state = request.app.state
-    if not hasattr(state, "admin_lock"):
-        state.admin_lock = asyncio.Lock()
-    return state.admin_lock  # type: ignore[no-any-return]
+    """One change at a time (admin calls and the SLO tuner): each reads the effective config and
+    writes a new one."""
+    return request.app.state.config_lock  # type: ignore[no-any-return]
 
 
 def _audit(request: Any, action: str, target: str, before: Any, after: Any) -> None:

@@ -22,6 +22,7 @@ from gateway.errors import APIError
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
+from gateway.tuning import TuningLoop
 from gateway.routes.openai import OpenAIController
 
 log = structlog.get_logger(__name__)
@@ -93,10 +94,13 @@ def create_app(config: GatewayConfig) -> Litestar:
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await asyncio.to_thread(engine.start)
+        app.state.config_lock = asyncio.Lock()  # admin changes and the SLO tuner, one at a time
+        tuning = asyncio.create_task(TuningLoop(engine, metrics, app.state.config_lock).run())
         log.info("gateway_ready", models=sorted(engine.models))
         try:
             yield
         finally:
+            tuning.cancel()
             await asyncio.to_thread(engine.stop)
 
     return Litestar(

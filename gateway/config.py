@@ -72,6 +72,34 @@ class ContinuousBatcherConfig(_Strict):
 BatcherConfig = Annotated[DynamicBatcherConfig | ContinuousBatcherConfig, Field(discriminator="kind")]
 
 
+class SLOConfig(_Strict):
+    """A bucket's latency targets, which the SLO tuner (:mod:`policies.tuning`) keeps by adjusting
+    ``max_num_seqs`` (continuous) or ``max_batch_size`` and ``max_queue_delay_ms`` (dynamic)
+    within the bounds here."""
+
+    ttft_p95_ms: float | None = Field(default=None, gt=0)
+    tpot_p95_ms: float | None = Field(default=None, gt=0)
+    min_batch: int = Field(default=1, ge=1, le=4096)
+    max_batch: int = Field(default=256, ge=1, le=4096)
+    min_queue_delay_ms: int = Field(default=1, ge=1, le=60_000)
+    max_queue_delay_ms: int = Field(default=100, ge=1, le=60_000)
+    # How often the tuner looks, how many requests must finish under a value before it is judged,
+    # and the share of each target kept free before it grows.
+    interval_s: float = Field(default=5.0, gt=0, le=3600)
+    min_samples: int = Field(default=20, ge=1)
+    headroom: float = Field(default=0.2, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SLOConfig":
+        if self.ttft_p95_ms is None and self.tpot_p95_ms is None:
+            raise ValueError("ttft_p95_ms: set ttft_p95_ms, tpot_p95_ms or both")
+        if self.min_batch > self.max_batch:
+            raise ValueError(f"min_batch: {self.min_batch} is above max_batch {self.max_batch}")
+        if self.min_queue_delay_ms > self.max_queue_delay_ms:
+            raise ValueError(f"min_queue_delay_ms: {self.min_queue_delay_ms} is above max_queue_delay_ms {self.max_queue_delay_ms}")
+        return self
+
+
 class BucketConfig(_Strict):
     """Prompts of at most ``max_input_tokens`` tokens (above the previous bucket's limit)."""
 
@@ -83,6 +111,8 @@ class BucketConfig(_Strict):
     # max_queued_tokens counts their prompt tokens (None: unlimited).
     max_queue_len: int = Field(default=1024, ge=1)
     max_queued_tokens: int | None = Field(default=None, ge=1)
+    # Latency targets kept by adjusting the batch knobs at run time (None: knobs stay as set).
+    slo: SLOConfig | None = None
 
     @property
     def bucket_name(self) -> str:

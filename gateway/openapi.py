@@ -40,6 +40,9 @@ _SUBSCHEMA_LIST_KEYWORDS = {"anyOf", "allOf", "oneOf"}
 _SUBSCHEMA_MAP_KEYWORDS = {"properties"}
 # Schema's field name for each JSON Schema keyword that differs from it ("anyOf" -> "any_of").
 _FIELD_NAMES = {f.metadata.get("alias", f.name): f.name for f in fields(Schema)}
+# litestar's Schema has no alias for ``exclusive_maximum`` (it would be written in snake case), so
+# an exclusive upper bound is documented as an inclusive one; validation stays exclusive.
+_FIELD_NAMES["exclusiveMaximum"] = "maximum"
 
 
 class RequestBodySchemas(ReceiveRoutePlugin):
