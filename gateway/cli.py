@@ -1,4 +1,4 @@
-"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine`` and ``sluice kv-plan``."""
+"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine``, ``sluice bench load`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine_bench.add_arguments(engine)
     engine.set_defaults(func=engine_bench.run)
+    load = bench_commands.add_parser("load", help="load sweep (concurrency or request rate) against an OpenAI-compatible server")
+    from bench import load as load_bench
+
+    load_bench.add_arguments(load)
+    load.set_defaults(func=load_bench.run)
     kv_plan = commands.add_parser("kv-plan", help="how many KV blocks, tokens and sequences fit in a memory budget")
     kv_plan.add_argument("--model", required=True, help="a model of the config file, or a model folder or .gguf file")
     kv_plan.add_argument("--memory", type=_memory_size, default="8GiB", help="bytes or 8GiB, 512MiB, 1.5GB (default 8GiB)")

@@ -1,0 +1,425 @@
+"""``sluice bench load``: a load sweep against any OpenAI-compatible server.
+
+Each step of a sweep holds one load level: a fixed number of requests in flight (a concurrency
+sweep, ``--concurrency 1,2,4``) or arrivals at a mean rate (a rate sweep, ``--rate 1,2,4``) with
+gamma-distributed gaps (vLLM's ``--burstiness``: shape ``burstiness``, mean ``1 / rate``; 1 is
+Poisson, lower is burstier). Every request streams, with ``max_tokens`` set to its drawn output
+length, ``ignore_eos`` (Sluice's extension; other servers ignore it) and
+``stream_options.include_usage``, and the client times it: TTFT at the first chunk with content,
+ITL between content chunks, TPOT as (E2E - TTFT) / (output tokens - 1) with the usage count.
+Sluice's ``x-sluice-bucket``, ``x-sluice-queue-ms`` and ``x-sluice-prefill-ms`` response headers,
+where present, give per-bucket attribution. The server's queue depth is sampled from its
+``/metrics`` (``sluice_requests_waiting`` or vLLM's ``vllm:num_requests_waiting``) when it has one.
+
+Prompt lengths are counted in words, which common English words make about one token each; the
+usage chunk reports the tokens the server actually saw.
+
+Run it as ``sluice bench load --base-url URL --model NAME`` or ``python -m bench.load ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import load_report
+from bench.load_report import RequestResult
+from bench.retry import RetryPolicy, send_with_retry
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+QUEUE_METRICS = ("sluice_requests_waiting", "vllm:num_requests_waiting")
+QUEUE_POLL_S = 0.5
+SYNTHETIC_WORDS = (
+    "the of and to in is was for on that with as by at from his her this which are be had it not "
+    "were but have their one all an they has been more who will would there can its time first two "
+    "new after other people year world water house city music river school light long great small "
+    "under over through between before state work life game line story place power sound system"
+).split()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (``sys.argv[1:]`` when ``None``) and run the sweep; return the exit code."""
+    parser = argparse.ArgumentParser(prog="sluice bench load", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the sweep's options to ``parser`` (the CLI's ``bench load`` subparser, or main's)."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default http://127.0.0.1:8000)")
+    parser.add_argument("--model", help="model name sent with every request (required unless --from-results)")
+    parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions", help="default completions")
+    sweep = parser.add_mutually_exclusive_group()
+    sweep.add_argument("--concurrency", type=_loads, help="requests in flight per step (default 1,2,4,8,16,32,64)")
+    sweep.add_argument("--rate", type=_loads, help="mean arrivals/s per step, 'inf' for all at once")
+    parser.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma shape of gaps (1: Poisson)")
+    parser.add_argument("--duration", type=_positive_float, default=30.0, help="seconds per step (default 30)")
+    parser.add_argument("--num-requests", type=_positive_int, help="requests per step (instead of --duration)")
+    parser.add_argument("--prompts-file", type=Path, help="text file cut into prompts (default: synthetic text)")
+    parser.add_argument("--input-len", type=_positive_int, default=128, help="prompt words (default 128)")
+    parser.add_argument("--input-len-range", type=_fraction, default=0.0, help="uniform +- fraction (default 0)")
+    parser.add_argument("--output-len", type=_positive_int, default=64, help="max_tokens (default 64)")
+    parser.add_argument("--output-len-range", type=_fraction, default=0.0, help="uniform +- fraction (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
+    parser.add_argument("--slo-ttft-ms", type=_positive_float, help="goodput: TTFT at most this")
+    parser.add_argument("--slo-tpot-ms", type=_positive_float, help="goodput: TPOT at most this")
+    parser.add_argument("--knee-gain", type=_positive_float, default=0.10, help="knee: QPS gain below (default 0.10)")
+    parser.add_argument("--knee-latency", type=_positive_float, default=0.50, help="knee: p95 TTFT growth above (0.50)")
+    parser.add_argument("--output", type=Path, help="folder for results.json and PNG plots")
+    parser.add_argument("--baseline", type=Path, help="an earlier results.json; exit 1 on a regression")
+    parser.add_argument("--tolerance", type=_positive_float, default=0.10, help="regression tolerance (default 0.10)")
+    parser.add_argument("--from-results", type=Path, help="report an earlier results.json instead of running")
+    parser.add_argument("--retry", action="store_true", help="retry 429/503 with backoff (default: count them)")
+    parser.add_argument("--timeout", type=_positive_float, default=600.0, help="per-request seconds (default 600)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep (or load ``--from-results``), report it; 0, 1 on a regression, 2 on bad options."""
+    problem = _check_args(args)
+    if problem is not None:
+        print(f"sluice bench load: error: {problem}", file=sys.stderr)
+        return 2
+    report = json.loads(args.from_results.read_text()) if args.from_results else asyncio.run(run_sweep(args))
+    load_name = "rate (req/s)" if report["mode"] == "rate" else "concurrency"
+    print(load_report.format_table(report["steps"], load_name, report["knee"]))
+    buckets = load_report.format_buckets(report["steps"], load_name)
+    if buckets is not None:
+        print("\nper bucket (ms):\n" + buckets)
+    _print_knees(report)
+    if args.output is not None:
+        args.output.mkdir(parents=True, exist_ok=True)
+        plots = load_report.write_plots(report["steps"], load_name, report["knee"], args.output, report["bucket_knees"])
+        report["plots"] = [p.name for p in plots]
+        (args.output / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.output / 'results.json'} and {', '.join(report['plots'])}")
+    return 0 if args.baseline is None else _check_baseline(report, args.baseline, args.tolerance)
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if args.from_results is not None:
+        return None
+    if not args.model:
+        return "--model is required"
+    if args.rate is not None and math.inf in args.rate and args.num_requests is None:
+        return "--rate inf sends every request at once: give --num-requests"
+    return None
+
+
+def _print_knees(report: dict[str, Any]) -> None:
+    knee = report["knee"]
+    at = "none" if knee is None else f"{report['steps'][knee]['load']:g}"
+    print(f"\nknee: {at}")
+    for name, load in report["bucket_knees"].items():
+        print(f"knee of bucket {name}: {'none' if load is None else f'{load:g}'}")
+
+
+def _check_baseline(report: dict[str, Any], path: Path, tolerance: float) -> int:
+    baseline = json.loads(path.read_text())
+    if baseline.get("mode") != report["mode"]:
+        print(f"baseline {path} is a {baseline.get('mode')} sweep, this run a {report['mode']} sweep", file=sys.stderr)
+        return 2
+    regressions, matched = load_report.compare_with_baseline(report["steps"], baseline["steps"], tolerance)
+    if matched == 0:
+        print(f"baseline {path}: no step matches this run's loads", file=sys.stderr)
+        return 2
+    if regressions:
+        print(f"\nregressions against {path} (tolerance {tolerance:.0%}):")
+        print("\n".join(f"  {line}" for line in regressions))
+        return 1
+    print(f"\nno regression against {path} ({matched} steps, tolerance {tolerance:.0%})")
+    return 0
+
+
+async def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every step of the sweep against the server; return the report (what results.json holds)."""
+    mode = "rate" if args.rate is not None else "concurrency"
+    loads = args.rate if mode == "rate" else (args.concurrency or [1, 2, 4, 8, 16, 32, 64])
+    rng = random.Random(args.seed)
+    prompts = make_prompts(args, rng)
+    base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    steps = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout, limits=limits) as client:
+        sender = _Sender(client, args, random.Random(args.seed + 1))
+        for load in loads:
+            steps.append(await _run_step(client, sender, mode, load, prompts, args, rng))
+    knee = load_report.step_knee(steps, args.knee_gain, args.knee_latency)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
+    return {
+        "mode": mode,
+        "config": config,
+        "steps": steps,
+        "knee": knee,
+        "bucket_knees": load_report.bucket_knees(steps, args.knee_gain, args.knee_latency),
+    }
+
+
+async def _run_step(
+    client: httpx.AsyncClient,
+    sender: _Sender,
+    mode: str,
+    load: float,
+    prompts: Iterator[tuple[str, int]],
+    args: argparse.Namespace,
+    rng: random.Random,
+) -> dict[str, Any]:
+    progress = _progress(f"{mode} {load:g}", args)
+    sampler = asyncio.create_task(_sample_queue_depth(client))
+    start = time.perf_counter()
+    deadline = None if args.num_requests else start + args.duration
+    sender.step_start = start
+    sender.on_done = lambda: progress.update(1) if progress is not None else None
+    if mode == "concurrency":
+        results = await _closed_loop(sender, int(load), prompts, args.num_requests, deadline)
+    else:
+        gaps = _arrival_gaps(load, args.burstiness, rng)
+        results = await _open_loop(sender, gaps, prompts, args.num_requests, deadline)
+    duration_s = time.perf_counter() - start
+    sampler.cancel()
+    depths = await asyncio.gather(sampler, return_exceptions=True)
+    if progress is not None:
+        progress.close()
+    mean_depth = depths[0] if isinstance(depths[0], float) else None
+    return load_report.step_stats(load, results, duration_s, args.slo_ttft_ms, args.slo_tpot_ms, mean_depth)
+
+
+def _progress(label: str, args: argparse.Namespace) -> Any:
+    if args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=args.num_requests, desc=label, unit="req", file=sys.stderr, leave=False)
+
+
+async def _closed_loop(
+    sender: _Sender, concurrency: int, prompts: Iterator[tuple[str, int]], num_requests: int | None, deadline: float | None
+) -> list[RequestResult]:
+    """``concurrency`` workers, each sending its next request as soon as its last one ends."""
+    results: list[RequestResult] = []
+    budget = [num_requests]
+
+    async def worker() -> None:
+        while deadline is None or time.perf_counter() < deadline:
+            if budget[0] is not None:
+                if budget[0] == 0:
+                    return
+                budget[0] -= 1
+            results.append(await sender.send(*next(prompts)))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+async def _open_loop(
+    sender: _Sender, gaps: Iterator[float], prompts: Iterator[tuple[str, int]], num_requests: int | None, deadline: float | None
+) -> list[RequestResult]:
+    """Requests sent at the arrival times, whatever is still in flight; waits for them all."""
+    tasks: list[asyncio.Task[RequestResult]] = []
+    next_at = time.perf_counter()
+    while num_requests is None or len(tasks) < num_requests:
+        next_at += next(gaps)
+        if deadline is not None and max(next_at, time.perf_counter()) >= deadline:
+            break
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        tasks.append(asyncio.create_task(sender.send(*next(prompts))))
+    return list(await asyncio.gather(*tasks))
+
+
+def _arrival_gaps(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
+    """Gaps between arrivals: gamma with shape ``burstiness`` and mean ``1 / rate`` (0 for inf)."""
+    while True:
+        yield 0.0 if math.isinf(rate) else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def make_prompts(args: argparse.Namespace, rng: random.Random) -> Iterator[tuple[str, int]]:
+    """Endless ``(prompt, output length)`` pairs: lengths uniform within ``*-len-range`` of
+    ``*-len``, words from ``--prompts-file`` (a window at a random offset) or synthetic."""
+    words = args.prompts_file.read_text().split() if args.prompts_file else SYNTHETIC_WORDS
+    if not words:
+        raise ValueError(f"--prompts-file {args.prompts_file} has no words")
+    while True:
+        num_words = _draw_len(args.input_len, args.input_len_range, rng)
+        if args.prompts_file:
+            offset = rng.randrange(len(words))
+            chosen = [words[(offset + i) % len(words)] for i in range(num_words)]
+        else:
+            chosen = rng.choices(words, k=num_words)
+        yield " ".join(chosen), _draw_len(args.output_len, args.output_len_range, rng)
+
+
+def _draw_len(mean: int, spread: float, rng: random.Random) -> int:
+    return max(1, round(mean * rng.uniform(1 - spread, 1 + spread)))
+
+
+class _Sender:
+    """Sends one streaming request and times it, with or without retries (``--retry``)."""
+
+    def __init__(self, client: httpx.AsyncClient, args: argparse.Namespace, rng: random.Random) -> None:
+        self.client, self.args, self.rng = client, args, rng
+        self.path = ENDPOINTS[args.endpoint]
+        self.policy = RetryPolicy() if args.retry else RetryPolicy(max_attempts=1)
+        self.step_start = 0.0
+        self.on_done: Callable[[], object] = lambda: None
+
+    def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.args.model,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.args.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+    async def send(self, prompt: str, max_tokens: int) -> RequestResult:
+        request = self.client.build_request("POST", self.path, json=self.body(prompt, max_tokens))
+        start = time.perf_counter()
+        result = RequestResult(ok=False, start_s=start - self.step_start)
+        try:
+            response, _ = await send_with_retry(lambda: self.client.send(request, stream=True), self.policy, self.rng)
+            try:
+                await _read_stream(response, result, start)
+            finally:
+                await response.aclose()
+        except (httpx.HTTPError, ValueError) as e:
+            result.error = f"{type(e).__name__}: {e}"
+        result.e2e_s = time.perf_counter() - start
+        self.on_done()
+        return result
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult, start: float) -> None:
+    """Fill ``result`` from a streamed response: status, headers, content-chunk times, usage."""
+    result.status = response.status_code
+    if response.status_code != 200:
+        body = await response.aread()
+        result.error = f"HTTP {response.status_code}: {body[:200].decode(errors='replace')}"
+        return
+    _read_headers(response.headers, result)
+    last = None
+    num_chunks = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            result.ok = result.ttft_s is not None
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = str(chunk["error"])
+            return
+        if chunk.get("usage"):
+            result.num_output_tokens = chunk["usage"].get("completion_tokens") or num_chunks
+            result.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
+        if _has_content(chunk):
+            now = time.perf_counter()
+            num_chunks += 1
+            if last is None:
+                result.ttft_s = now - start
+            else:
+                result.itl_s.append(now - last)
+            last = now
+    if not result.num_output_tokens:
+        result.num_output_tokens = num_chunks
+    if not result.ok and result.error is None:
+        result.error = "stream ended without [DONE] or content"
+
+
+def _has_content(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _read_headers(headers: httpx.Headers, result: RequestResult) -> None:
+    result.bucket = headers.get("x-sluice-bucket")
+    result.queue_ms = _float_or_none(headers.get("x-sluice-queue-ms"))
+    result.prefill_ms = _float_or_none(headers.get("x-sluice-prefill-ms"))
+
+
+def _float_or_none(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def _sample_queue_depth(client: httpx.AsyncClient) -> float | None:
+    """Poll ``/metrics`` until cancelled; return the mean summed waiting-request gauge, or
+    ``None`` when the server has no such metric."""
+    samples: list[float] = []
+    try:
+        while (depth := await _queue_depth(client)) is not None:
+            samples.append(depth)
+            await asyncio.sleep(QUEUE_POLL_S)
+    except asyncio.CancelledError:
+        pass
+    return sum(samples) / len(samples) if samples else None
+
+
+async def _queue_depth(client: httpx.AsyncClient) -> float | None:
+    try:
+        response = await client.get("/metrics", timeout=5)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in response.text.splitlines()
+        if line.split("{", 1)[0].split(" ", 1)[0] in QUEUE_METRICS
+    ]
+    return sum(values) if values else None
+
+
+def _loads(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``sluice bench load`` against a real server: a short concurrency sweep writes results.json with
+every step's statistics and the plots, attributes time per bucket when the server sends the
+``x-sluice-*`` headers, and ``--baseline`` passes against itself and fails against a baseline
+with doubled throughput."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.cli import main as sluice
+from tests.e2e.conftest import CONFIG, GENERATE_MODEL, run_server
+
+CONCURRENCY = [1, 2, 4]
+NUM_REQUESTS = 6
+OUTPUT_LEN = 8
+STEP_FIELDS = {
+    "load", "num_requests", "num_completed", "num_errors", "num_429", "duration_s", "requests_per_s",
+    "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "goodput_per_s", "mean_queue_depth", "buckets",
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("bench_load_server")
+    with run_server(CONFIG, folder / "server.log") as url:
+        yield url
+
+
+def sweep_args(url: str, output: Path) -> list[str]:
+    return [
+        "bench", "load", "--base-url", url, "--model", GENERATE_MODEL, "--no-progress",
+        "--concurrency", ",".join(map(str, CONCURRENCY)), "--num-requests", str(NUM_REQUESTS),
+        "--input-len", "32", "--output-len", str(OUTPUT_LEN), "--slo-ttft-ms", "60000", "--output", str(output),
+    ]
+
+
+@pytest.fixture(scope="module")
+def sweep(server: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("bench_load")
+    assert sluice(sweep_args(server, output)) == 0
+    return output
+
+
+def has_bucket_headers(url: str) -> bool:
+    body = {"model": GENERATE_MODEL, "prompt": "Hello", "max_tokens": 1}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    return "x-sluice-bucket" in response.headers
+
+
+def test_sweep_writes_every_step_and_the_plots(sweep: Path) -> None:
+    report = json.loads((sweep / "results.json").read_text())
+    assert report["mode"] == "concurrency"
+    assert [s["load"] for s in report["steps"]] == CONCURRENCY
+    for step in report["steps"]:
+        assert STEP_FIELDS <= set(step)
+        assert step["num_requests"] == step["num_completed"] == NUM_REQUESTS
+        assert step["num_errors"] == step["num_429"] == 0
+        assert step["requests_per_s"] > 0 and step["output_tokens_per_s"] > 0
+        assert step["output_tokens_per_s"] == pytest.approx(step["requests_per_s"] * OUTPUT_LEN)
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            stats = step[name]
+            assert 0 < stats["p50"] <= stats["p95"] <= stats["p99"]
+        assert step["ttft_ms"]["p99"] <= step["e2e_ms"]["p99"]
+        assert step["goodput_per_s"] == pytest.approx(step["requests_per_s"])
+    assert report["knee"] is None or 0 < report["knee"] < len(CONCURRENCY)
+    assert report["plots"][:3] == ["qps.png", "ttft.png", "tpot.png"]
+    for name in report["plots"]:
+        assert (sweep / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_attributes_time_per_bucket(server: str, sweep: Path) -> None:
+    if not has_bucket_headers(server):
+        pytest.skip("the server sends no x-sluice-bucket header")
+    report = json.loads((sweep / "results.json").read_text())
+    assert "buckets.png" in report["plots"] and (sweep / "buckets.png").exists()
+    for step in report["steps"]:
+        assert sum(b["count"] for b in step["buckets"].values()) == NUM_REQUESTS
+        for bucket in step["buckets"].values():
+            for name in ("queue_ms", "prefill_ms", "decode_ms"):
+                assert bucket[name] is not None and 0 <= bucket[name]["mean"] <= bucket[name]["p95"]
+
+
+def test_baseline_against_itself_passes(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = sweep / "results.json"
+    assert sluice(["bench", "load", "--from-results", str(results), "--baseline", str(results)]) == 0
+    assert "no regression" in capsys.readouterr().out
+
+
+def test_baseline_with_doubled_throughput_fails(server: str, sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = json.loads((sweep / "results.json").read_text())
+    for step in report["steps"]:
+        step["requests_per_s"] *= 2
+    doctored = tmp_path / "doctored.json"
+    doctored.write_text(json.dumps(report))
+    capsys.readouterr()
+    assert sluice([*sweep_args(server, tmp_path / "again"), "--baseline", str(doctored)]) == 1
+    out = capsys.readouterr().out
+    assert "regressions against" in out and "requests_per_s" in out
