@@ -3,10 +3,11 @@
 Each step of a sweep holds one load level: a fixed number of requests in flight (a concurrency
 sweep, ``--concurrency 1,2,4``) or arrivals at a mean rate (a rate sweep, ``--rate 1,2,4``) with
 gamma-distributed gaps (vLLM's ``--burstiness``: shape ``burstiness``, mean ``1 / rate``; 1 is
-Poisson, lower is burstier). Every request streams, with ``max_tokens`` set to its drawn output
-length, ``ignore_eos`` (Sluice's extension; other servers ignore it) and
+Poisson, lower is burstier). Completions and chat requests stream, with ``max_tokens`` set to
+their drawn output length, ``ignore_eos`` (Sluice's extension; other servers ignore it) and
 ``stream_options.include_usage``, and the client times it: TTFT at the first chunk with content,
 ITL between content chunks, TPOT as (E2E - TTFT) / (output tokens - 1) with the usage count.
+Embeddings (``--endpoint embeddings``) are timed whole: TTFT is E2E, and there is no TPOT.
 Sluice's ``x-sluice-bucket``, ``x-sluice-queue-ms`` and ``x-sluice-prefill-ms`` response headers,
 where present, give per-bucket attribution. The server's queue depth is sampled from its
 ``/metrics`` (``sluice_requests_waiting`` or vLLM's ``vllm:num_requests_waiting``) when it has one.
@@ -33,12 +34,8 @@ from typing import Any
 import httpx
 
 from bench import load_report
+from bench.load_client import ENDPOINTS, Sender, sample_queue_depth
 from bench.load_report import RequestResult
-from bench.retry import RetryPolicy, send_with_retry
-
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-QUEUE_METRICS = ("sluice_requests_waiting", "vllm:num_requests_waiting")
-QUEUE_POLL_S = 0.5
 SYNTHETIC_WORDS = (
     "the of and to in is was for on that with as by at from his her this which are be had it not "
     "were but have their one all an they has been more who will would there can its time first two "
@@ -151,7 +148,7 @@ async def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     steps = []
     async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout, limits=limits) as client:
-        sender = _Sender(client, args, random.Random(args.seed + 1))
+        sender = Sender(client, args, random.Random(args.seed + 1))
         for load in loads:
             steps.append(await _run_step(client, sender, mode, load, prompts, args, rng))
     knee = load_report.step_knee(steps, args.knee_gain, args.knee_latency)
@@ -167,7 +164,7 @@ async def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _run_step(
     client: httpx.AsyncClient,
-    sender: _Sender,
+    sender: Sender,
     mode: str,
     load: float,
     prompts: Iterator[tuple[str, int]],
@@ -175,7 +172,7 @@ async def _run_step(
     rng: random.Random,
 ) -> dict[str, Any]:
     progress = _progress(f"{mode} {load:g}", args)
-    sampler = asyncio.create_task(_sample_queue_depth(client))
+    sampler = asyncio.create_task(sample_queue_depth(client))
     start = time.perf_counter()
     deadline = None if args.num_requests else start + args.duration
     sender.step_start = start
@@ -186,6 +183,9 @@ async def _run_step(
         gaps = _arrival_gaps(load, args.burstiness, rng)
         results = await _open_loop(sender, gaps, prompts, args.num_requests, deadline)
     duration_s = time.perf_counter() - start
+    only = getattr(args, "only_bucket", None)
+    if only is not None:  # ``sluice bench tune``: answers from other buckets do not describe this one
+        results = [r for r in results if r.bucket is None or r.bucket == only]
     sampler.cancel()
     depths = await asyncio.gather(sampler, return_exceptions=True)
     if progress is not None:
@@ -203,7 +203,7 @@ def _progress(label: str, args: argparse.Namespace) -> Any:
 
 
 async def _closed_loop(
-    sender: _Sender, concurrency: int, prompts: Iterator[tuple[str, int]], num_requests: int | None, deadline: float | None
+    sender: Sender, concurrency: int, prompts: Iterator[tuple[str, int]], num_requests: int | None, deadline: float | None
 ) -> list[RequestResult]:
     """``concurrency`` workers, each sending its next request as soon as its last one ends."""
     results: list[RequestResult] = []
@@ -222,7 +222,7 @@ async def _closed_loop(
 
 
 async def _open_loop(
-    sender: _Sender, gaps: Iterator[float], prompts: Iterator[tuple[str, int]], num_requests: int | None, deadline: float | None
+    sender: Sender, gaps: Iterator[float], prompts: Iterator[tuple[str, int]], num_requests: int | None, deadline: float | None
 ) -> list[RequestResult]:
     """Requests sent at the arrival times, whatever is still in flight; waits for them all."""
     tasks: list[asyncio.Task[RequestResult]] = []
@@ -260,134 +260,6 @@ def make_prompts(args: argparse.Namespace, rng: random.Random) -> Iterator[tuple
 
 def _draw_len(mean: int, spread: float, rng: random.Random) -> int:
     return max(1, round(mean * rng.uniform(1 - spread, 1 + spread)))
-
-
-class _Sender:
-    """Sends one streaming request and times it, with or without retries (``--retry``)."""
-
-    def __init__(self, client: httpx.AsyncClient, args: argparse.Namespace, rng: random.Random) -> None:
-        self.client, self.args, self.rng = client, args, rng
-        self.path = ENDPOINTS[args.endpoint]
-        self.policy = RetryPolicy() if args.retry else RetryPolicy(max_attempts=1)
-        self.step_start = 0.0
-        self.on_done: Callable[[], object] = lambda: None
-
-    def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.args.model,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.args.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        return body
-
-    async def send(self, prompt: str, max_tokens: int) -> RequestResult:
-        request = self.client.build_request("POST", self.path, json=self.body(prompt, max_tokens))
-        start = time.perf_counter()
-        result = RequestResult(ok=False, start_s=start - self.step_start)
-        try:
-            response, _ = await send_with_retry(lambda: self.client.send(request, stream=True), self.policy, self.rng)
-            try:
-                await _read_stream(response, result, start)
-            finally:
-                await response.aclose()
-        except (httpx.HTTPError, ValueError) as e:
-            result.error = f"{type(e).__name__}: {e}"
-        result.e2e_s = time.perf_counter() - start
-        self.on_done()
-        return result
-
-
-async def _read_stream(response: httpx.Response, result: RequestResult, start: float) -> None:
-    """Fill ``result`` from a streamed response: status, headers, content-chunk times, usage."""
-    result.status = response.status_code
-    if response.status_code != 200:
-        body = await response.aread()
-        result.error = f"HTTP {response.status_code}: {body[:200].decode(errors='replace')}"
-        return
-    _read_headers(response.headers, result)
-    last = None
-    num_chunks = 0
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            result.ok = result.ttft_s is not None
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:
-            result.error = str(chunk["error"])
-            return
-        if chunk.get("usage"):
-            result.num_output_tokens = chunk["usage"].get("completion_tokens") or num_chunks
-            result.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
-        if _has_content(chunk):
-            now = time.perf_counter()
-            num_chunks += 1
-            if last is None:
-                result.ttft_s = now - start
-            else:
-                result.itl_s.append(now - last)
-            last = now
-    if not result.num_output_tokens:
-        result.num_output_tokens = num_chunks
-    if not result.ok and result.error is None:
-        result.error = "stream ended without [DONE] or content"
-
-
-def _has_content(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
-
-
-def _read_headers(headers: httpx.Headers, result: RequestResult) -> None:
-    result.bucket = headers.get("x-sluice-bucket")
-    result.queue_ms = _float_or_none(headers.get("x-sluice-queue-ms"))
-    result.prefill_ms = _float_or_none(headers.get("x-sluice-prefill-ms"))
-
-
-def _float_or_none(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-async def _sample_queue_depth(client: httpx.AsyncClient) -> float | None:
-    """Poll ``/metrics`` until cancelled; return the mean summed waiting-request gauge, or
-    ``None`` when the server has no such metric."""
-    samples: list[float] = []
-    try:
-        while (depth := await _queue_depth(client)) is not None:
-            samples.append(depth)
-            await asyncio.sleep(QUEUE_POLL_S)
-    except asyncio.CancelledError:
-        pass
-    return sum(samples) / len(samples) if samples else None
-
-
-async def _queue_depth(client: httpx.AsyncClient) -> float | None:
-    try:
-        response = await client.get("/metrics", timeout=5)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in response.text.splitlines()
-        if line.split("{", 1)[0].split(" ", 1)[0] in QUEUE_METRICS
-    ]
-    return sum(values) if values else None
 
 
 def _loads(text: str) -> list[float]:

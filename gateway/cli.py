@@ -1,8 +1,9 @@
-"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine``, ``sluice bench load`` and ``sluice kv-plan``."""
+"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine``, ``sluice bench load|tune|batching`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,13 @@ if TYPE_CHECKING:
     from models.kv_plan import KVSource
 
 DEFAULT_CONFIG = "configs/default.yaml"
+# ``sluice bench NAME``: (name, module with add_arguments and run, help); imported when parsing.
+BENCH_COMMANDS = (
+    ("engine", "bench.engine", "offline engine benchmark against Hugging Face baselines"),
+    ("load", "bench.load", "load sweep (concurrency or request rate) against an OpenAI-compatible server"),
+    ("tune", "bench.tune", "sweep one bucket of a running gateway, propose (--apply: set) its knobs"),
+    ("batching", "bench.batching_gain", "the same sweep batched and one request at a time, goodput ratio"),
+)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -122,16 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    engine = bench_commands.add_parser("engine", help="offline engine benchmark against Hugging Face baselines")
-    from bench import engine as engine_bench
-
-    engine_bench.add_arguments(engine)
-    engine.set_defaults(func=engine_bench.run)
-    load = bench_commands.add_parser("load", help="load sweep (concurrency or request rate) against an OpenAI-compatible server")
-    from bench import load as load_bench
-
-    load_bench.add_arguments(load)
-    load.set_defaults(func=load_bench.run)
+    for name, module, help_text in BENCH_COMMANDS:
+        sub = bench_commands.add_parser(name, help=help_text)
+        bench_module = importlib.import_module(module)
+        bench_module.add_arguments(sub)
+        sub.set_defaults(func=bench_module.run)
     kv_plan = commands.add_parser("kv-plan", help="how many KV blocks, tokens and sequences fit in a memory budget")
     kv_plan.add_argument("--model", required=True, help="a model of the config file, or a model folder or .gguf file")
     kv_plan.add_argument("--memory", type=_memory_size, default="8GiB", help="bytes or 8GiB, 512MiB, 1.5GB (default 8GiB)")

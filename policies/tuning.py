@@ -129,3 +129,96 @@ class SLOTuner:
             return None
         self.value = value
         return value
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One step of a concurrency sweep against one bucket (``sluice bench tune``).
+
+    Fields:
+        concurrency: requests kept in flight.
+        requests_per_s: completed requests per second.
+        ttft_p95_ms, tpot_p95_ms: p95 latencies (``None``: not measured, e.g. TPOT of embeddings).
+        goodput_per_s: requests per second within the SLO (``None``: not measured).
+    """
+
+    concurrency: int
+    requests_per_s: float
+    ttft_p95_ms: float | None
+    tpot_p95_ms: float | None = None
+    goodput_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class KnobProposal:
+    """What a sweep suggests for a bucket: ``knobs`` is an admin PATCH body; ``chosen`` the
+    index of the sweep step it is based on; ``notes`` say why, one line each."""
+
+    knobs: dict[str, float | int]
+    chosen: int
+    notes: tuple[str, ...]
+
+
+def propose_knobs(
+    points: list[SweepPoint], slo: SLO, kind: str, knee: int | None, max_input_tokens: int
+) -> KnobProposal:
+    """Batch knobs and admission caps for a bucket from a concurrency sweep.
+
+    The chosen step is the one with the most goodput (else requests/s) among the steps before
+    the knee (past it, more load buys latency, not throughput) whose p95s keep the SLO; the
+    smallest load when none does. Its concurrency becomes the batch cap (``max_num_seqs`` for a
+    continuous bucket, ``max_batch_size`` for a dynamic one). Admission: by Little's law a
+    request queued behind ``k`` others waits about ``k / throughput`` more, so the queue holds
+    ``throughput * (TTFT SLO - chosen p95 TTFT)`` requests (at least 1; one batch's worth when
+    TTFT is not constrained), and ``max_queued_tokens`` that many full-length prompts. A dynamic
+    bucket waits for a batch no longer than it takes to gather one at the measured rate,
+    ``(batch - 1) / throughput``, and at most half the TTFT slack.
+
+    Args:
+        points: the sweep's steps, in increasing load.
+        slo: the targets.
+        kind: ``"continuous"`` or ``"dynamic"``.
+        knee: index of the knee step (``None``: none found).
+        max_input_tokens: the bucket's prompt limit.
+    Raises:
+        ValueError: no points, or an unknown ``kind``.
+    """
+    if not points:
+        raise ValueError("propose_knobs needs at least one sweep point")
+    if kind not in ("continuous", "dynamic"):
+        raise ValueError(f"kind must be 'continuous' or 'dynamic', not {kind!r}")
+    notes = []
+    candidates = list(range(len(points) if knee is None else max(1, knee)))
+    keeping = [i for i in candidates if not slo.breached(points[i].ttft_p95_ms, points[i].tpot_p95_ms)]
+    if keeping:
+        chosen = max(keeping, key=lambda i: (_throughput(points[i]), -points[i].concurrency))
+        notes.append(f"concurrency {points[chosen].concurrency}: the most throughput within the SLO"
+                     + ("" if knee is None else f", below the knee at {points[knee].concurrency}"))
+    else:
+        chosen = 0
+        notes.append(f"no step kept the SLO; concurrency {points[0].concurrency}, the smallest load, is proposed")
+    point = points[chosen]
+    batch = max(1, point.concurrency)
+    throughput = max(point.requests_per_s, 1e-9)
+    slack_s = None
+    if slo.ttft_p95_ms is not None and point.ttft_p95_ms is not None:
+        slack_s = max(0.0, (slo.ttft_p95_ms - point.ttft_p95_ms) / 1000)
+        max_queue_len = max(1, math.floor(throughput * slack_s))
+        notes.append(f"queue: {throughput:.2f} req/s x {slack_s * 1000:.0f} ms TTFT slack = {max_queue_len} requests")
+    else:
+        max_queue_len = batch
+        notes.append(f"queue: TTFT not constrained, one batch ({batch}) may wait")
+    knobs: dict[str, float | int] = {"max_queue_len": max_queue_len, "max_queued_tokens": max_queue_len * max_input_tokens}
+    if kind == "continuous":
+        knobs["max_num_seqs"] = batch
+    else:
+        knobs["max_batch_size"] = batch
+        delay_s = (batch - 1) / throughput
+        if slack_s is not None:
+            delay_s = min(delay_s, slack_s / 2)
+        knobs["max_queue_delay_ms"] = round(delay_s * 1000, 1)
+    return KnobProposal(knobs=knobs, chosen=chosen, notes=tuple(notes))
+
+
+def _throughput(point: SweepPoint) -> float:
+    return point.goodput_per_s if point.goodput_per_s is not None else point.requests_per_s

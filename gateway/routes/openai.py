@@ -145,7 +145,7 @@ class OpenAIController(Controller):
         return await _generate(request, router, served, body, prompt_ids, max_tokens, "messages", chat=True, arrival_s=arrival_s, deadline_s=deadline_s)
 
     @post("/embeddings", status_code=200)
-    async def embeddings(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    async def embeddings(self, request: Request[Any, Any, Any]) -> Response[Any]:
         arrival_s = time.monotonic()
         body = await parse_body(request, EmbeddingBody)
         router = _router(request)
@@ -180,7 +180,9 @@ class OpenAIController(Controller):
         data = [{"object": "embedding", "index": i, "embedding": encode(emb)} for i, emb in enumerate(results)]
         num_tokens = sum(len(ids) for ids in token_lists)
         usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-        return {"object": "list", "data": data, "model": served.config.name, "usage": usage}
+        slowest = max(requests, key=lambda r: r.timeline.get("first_token", 0.0))
+        body_out = {"object": "list", "data": data, "model": served.config.name, "usage": usage}
+        return Response(body_out, headers=timing_headers(slowest))
 
 
 def _chat_max_tokens(body: ChatCompletionBody) -> tuple[str, int | None]:
@@ -302,7 +304,8 @@ async def _generate(
 def timing_headers(request: CoreRequest) -> dict[str, str]:
     """Where a request's first token came from, for load tools' per-bucket attribution:
     ``x-sluice-bucket``, ``x-sluice-queue-ms`` (arrival to leaving the queue to run) and
-    ``x-sluice-prefill-ms`` (from then to the first token). Known once the first token is out."""
+    ``x-sluice-prefill-ms`` (from then to the first token; an embedding's forward). Known once
+    the first token (the embedding) is out; a multi-input embeddings call reports its slowest input."""
     timeline = request.timeline
     headers = {"x-sluice-bucket": str(request.info.get("bucket", ""))}
     arrival, started, first = timeline.get("arrival"), timeline.get("started"), timeline.get("first_token")

@@ -1,7 +1,8 @@
-"""``sluice bench load`` against a real server: a short concurrency sweep writes results.json with
-every step's statistics and the plots, attributes time per bucket when the server sends the
-``x-sluice-*`` headers, and ``--baseline`` passes against itself and fails against a baseline
-with doubled throughput."""
+"""``sluice bench load`` and ``sluice bench tune`` against a real server: a short concurrency
+sweep writes results.json with every step's statistics and the plots, attributes time per bucket
+when the server sends the ``x-sluice-*`` headers, and ``--baseline`` passes against itself and
+fails against a baseline with doubled throughput. ``bench tune`` sweeps one bucket with its
+batch cap opened, proposes knobs, puts the old ones back, or sets the proposal with ``--apply``."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import httpx
 import pytest
 
 from gateway.cli import main as sluice
-from tests.e2e.conftest import CONFIG, GENERATE_MODEL, run_server
+from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
 
+ADMIN_TOKEN = "bench-tune-token"
 CONCURRENCY = [1, 2, 4]
 NUM_REQUESTS = 6
 OUTPUT_LEN = 8
@@ -27,7 +29,7 @@ STEP_FIELDS = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("bench_load_server")
-    with run_server(CONFIG, folder / "server.log") as url:
+    with run_server(CONFIG, folder / "server.log", env={"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}) as url:
         yield url
 
 
@@ -102,3 +104,58 @@ def test_baseline_with_doubled_throughput_fails(server: str, sweep: Path, tmp_pa
     assert sluice([*sweep_args(server, tmp_path / "again"), "--baseline", str(doctored)]) == 1
     out = capsys.readouterr().out
     assert "regressions against" in out and "requests_per_s" in out
+
+
+def bucket_config(url: str, model: str, bucket: str) -> dict[str, object]:
+    response = httpx.get(f"{url}/admin/models/{model}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    assert response.status_code == 200
+    names = [b["name"] for b in response.json()["buckets"]]
+    return response.json()["config"]["buckets"][names.index(bucket)]  # type: ignore[no-any-return]
+
+
+def tune_args(url: str, model: str, bucket: str, *extra: str) -> list[str]:
+    return [
+        "bench", "tune", "--base-url", url, "--model", model, "--bucket", bucket, "--admin-token", ADMIN_TOKEN,
+        "--concurrency", ",".join(map(str, CONCURRENCY)), "--num-requests", "4", "--output-len", "4", "--no-progress", *extra,
+    ]
+
+
+def test_tune_proposes_knobs_from_a_sweep_of_the_bucket_and_puts_the_old_ones_back(
+    server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = bucket_config(server, GENERATE_MODEL, "le48")
+    assert sluice(tune_args(server, GENERATE_MODEL, "le48", "--slo-ttft-ms", "60000", "--output", str(tmp_path))) == 0
+    assert "PATCH body" in capsys.readouterr().out
+    proposal = json.loads((tmp_path / "proposal.json").read_text())
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [s["load"] for s in report["steps"]] == CONCURRENCY
+    for step in report["steps"]:  # every prompt landed in the bucket (1-48 tokens)
+        assert step["num_completed"] == 4 and set(step["buckets"]) == {"le48"}
+    # a 60 s TTFT SLO keeps every step: the most goodput below any knee is taken
+    chosen = report["steps"][proposal["chosen_step"]]
+    below_knee = report["steps"][: report["knee"] or len(CONCURRENCY)]
+    assert chosen["goodput_per_s"] == max(s["goodput_per_s"] for s in below_knee)
+    assert proposal["knobs"]["max_num_seqs"] == chosen["load"]
+    assert proposal["knobs"]["max_queued_tokens"] == proposal["knobs"]["max_queue_len"] * 48
+    assert bucket_config(server, GENERATE_MODEL, "le48") == before  # no --apply: the sweep's changes undone
+
+
+def test_tune_apply_sets_the_proposal_through_the_admin_api(server: str, tmp_path: Path) -> None:
+    args = tune_args(server, EMBED_MODEL, "le256", "--slo-ttft-ms", "60000", "--apply", "--output", str(tmp_path))
+    assert sluice(args) == 0
+    knobs = json.loads((tmp_path / "proposal.json").read_text())["knobs"]
+    after = bucket_config(server, EMBED_MODEL, "le256")
+    assert after["batcher"]["max_batch_size"] == knobs["max_batch_size"]  # type: ignore[index]
+    assert after["batcher"]["max_queue_delay_ms"] == knobs["max_queue_delay_ms"]  # type: ignore[index]
+    assert (after["max_queue_len"], after["max_queued_tokens"]) == (knobs["max_queue_len"], knobs["max_queued_tokens"])
+
+
+def test_tune_refuses_a_bad_token_an_unknown_bucket_and_a_missing_slo(server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    bad_token = tune_args(server, GENERATE_MODEL, "le48", "--slo-ttft-ms", "1000")
+    bad_token[bad_token.index(ADMIN_TOKEN)] = "wrong"
+    assert sluice(bad_token) == 2
+    assert "401" in capsys.readouterr().err
+    assert sluice(tune_args(server, GENERATE_MODEL, "nope", "--slo-ttft-ms", "1000")) == 2
+    assert "has no bucket 'nope'" in capsys.readouterr().err
+    assert sluice(tune_args(server, GENERATE_MODEL, "le48")) == 2
+    assert "--slo-ttft-ms" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import statistics
 import httpx
 import pytest
 
-from bench import load
+from bench import load, load_client
 from bench.load_report import (
     RequestResult,
     bucket_knees,
@@ -238,7 +238,7 @@ def send_one(statuses: list[int], retry: bool) -> RequestResult:
 
     async def go() -> RequestResult:
         async with httpx.AsyncClient(base_url="http://test", transport=fake_server(statuses)) as client:
-            return await load._Sender(client, args, random.Random(0)).send("hello", 3)
+            return await load_client.Sender(client, args, random.Random(0)).send("hello", 3)
 
     return asyncio.run(go())
 
@@ -257,3 +257,24 @@ def test_429_is_counted_not_retried_unless_asked() -> None:
     assert not refused.ok and refused.status == 429 and "queue full" in (refused.error or "")
     assert step_stats(1, [refused], 1.0)["num_429"] == 1
     assert send_one([429, 200], retry=True).ok
+
+
+def test_embeddings_are_timed_whole_with_ttft_equal_to_e2e_and_no_tpot() -> None:
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert request.url.path == "/v1/embeddings" and body == {"model": "m", "input": "hello"}
+        usage = {"prompt_tokens": 3, "total_tokens": 3}
+        return httpx.Response(200, json={"data": [], "usage": usage}, headers={"x-sluice-bucket": "le64"})
+
+    args = argparse.Namespace(model="m", endpoint="embeddings", retry=False)
+
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(base_url="http://test", transport=httpx.MockTransport(handle)) as client:
+            return await load_client.Sender(client, args, random.Random(0)).send("hello", 3)
+
+    result = asyncio.run(go())
+    assert result.ok and result.num_prompt_tokens == 3 and result.bucket == "le64"
+    assert result.ttft_s is not None and result.ttft_s <= result.e2e_s and result.e2e_s - result.ttft_s < 0.05
+    assert result.num_output_tokens == 0 and result.tpot_s is None
+    stats = step_stats(1, [result], 1.0, slo_ttft_ms=1000.0, slo_tpot_ms=1.0)
+    assert stats["tpot_ms"] is None and stats["goodput_per_s"] == 1.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.tuning import SLO, SLOTuner
+from policies.tuning import SLO, SLOTuner, SweepPoint, propose_knobs
 
 INTERVAL_S = 5.0
 
@@ -106,3 +106,49 @@ def test_an_unconstrained_or_unknown_latency_does_not_grow_the_knob() -> None:
     tuner = SLOTuner(SLO(ttft_p95_ms=100.0, tpot_p95_ms=50.0), initial=4, min_value=1, max_value=64)
     assert tuner.propose(10.0, None, num_samples=100) is None  # TPOT unknown: no headroom shown
     assert tuner.propose(10.0, 5.0, num_samples=100) == 8
+
+
+def sweep(*rows: tuple[int, float, float, float]) -> list[SweepPoint]:
+    """(concurrency, requests/s, p95 TTFT ms, p95 TPOT ms) rows."""
+    return [SweepPoint(c, qps, ttft, tpot) for c, qps, ttft, tpot in rows]
+
+
+SWEEP = sweep((1, 2.0, 100.0, 20.0), (2, 3.8, 120.0, 22.0), (4, 7.0, 180.0, 30.0), (8, 11.0, 300.0, 45.0),
+              (16, 11.5, 700.0, 80.0), (32, 11.6, 1500.0, 81.0))
+
+
+def test_the_proposal_is_the_most_throughput_within_the_slo_and_below_the_knee() -> None:
+    proposal = propose_knobs(SWEEP, SLO(ttft_p95_ms=500.0, tpot_p95_ms=50.0), "continuous", knee=4, max_input_tokens=256)
+    assert proposal.chosen == 3 and proposal.knobs["max_num_seqs"] == 8
+    # Little's law: 11 req/s x (500 - 300) ms of TTFT slack = 2.2 -> 2 queued requests
+    assert proposal.knobs["max_queue_len"] == 2 and proposal.knobs["max_queued_tokens"] == 2 * 256
+    # a tighter TPOT SLO moves the choice down; the knee cuts off steps past it even when they keep the SLO
+    assert propose_knobs(SWEEP, SLO(tpot_p95_ms=35.0), "continuous", None, 256).knobs["max_num_seqs"] == 4
+    loose = SLO(ttft_p95_ms=10_000.0)
+    assert propose_knobs(SWEEP, loose, "continuous", knee=None, max_input_tokens=256).knobs["max_num_seqs"] == 32
+    assert propose_knobs(SWEEP, loose, "continuous", knee=4, max_input_tokens=256).knobs["max_num_seqs"] == 8
+
+
+def test_goodput_decides_over_raw_throughput_and_ties_take_the_smaller_batch() -> None:
+    points = [SweepPoint(1, 2.0, 10.0, None, 2.0), SweepPoint(2, 4.0, 20.0, None, 1.0), SweepPoint(4, 4.0, 30.0, None, 2.0)]
+    proposal = propose_knobs(points, SLO(ttft_p95_ms=1000.0), "continuous", None, 64)
+    assert proposal.knobs["max_num_seqs"] == 1  # goodput 2.0 at concurrency 1 and 4: the smaller wins
+
+
+def test_a_dynamic_bucket_gets_a_batch_size_and_a_delay_bounded_by_gather_time_and_slack() -> None:
+    proposal = propose_knobs(SWEEP, SLO(ttft_p95_ms=500.0), "dynamic", knee=4, max_input_tokens=64)
+    assert proposal.knobs["max_batch_size"] == 8 and "max_num_seqs" not in proposal.knobs
+    # gathering 7 more at 11 req/s takes 636 ms; half the 200 ms slack is 100 ms
+    assert proposal.knobs["max_queue_delay_ms"] == 100.0
+    roomy = propose_knobs(SWEEP, SLO(ttft_p95_ms=5000.0), "dynamic", knee=4, max_input_tokens=64)
+    assert roomy.knobs["max_queue_delay_ms"] == round(7 / 11.0 * 1000, 1)
+
+
+def test_when_no_step_keeps_the_slo_the_smallest_load_is_proposed() -> None:
+    proposal = propose_knobs(SWEEP, SLO(ttft_p95_ms=50.0), "continuous", None, 256)
+    assert proposal.chosen == 0 and proposal.knobs["max_num_seqs"] == 1 and proposal.knobs["max_queue_len"] == 1
+    assert "no step kept the SLO" in proposal.notes[0]
+    with pytest.raises(ValueError):
+        propose_knobs([], SLO(ttft_p95_ms=50.0), "continuous", None, 256)
+    with pytest.raises(ValueError):
+        propose_knobs(SWEEP, SLO(ttft_p95_ms=50.0), "static", None, 256)
