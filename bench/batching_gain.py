@@ -147,6 +147,7 @@ def write_versus_plot(reports: dict[str, dict[str, Any]], load_name: str, path: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, report in reports.items():
@@ -156,8 +157,11 @@ def write_versus_plot(reports: dict[str, dict[str, Any]], load_name: str, path: 
         left.plot(loads, [s["goodput_per_s"] or 0.0 for s in steps], marker="o", label=label)
         ttft = [(s["load"], s["ttft_ms"]["p95"]) for s in steps if s["ttft_ms"]]
         right.plot([t[0] for t in ttft], [t[1] for t in ttft], marker="o", label=label)
+    loads = [s["load"] for s in reports["batched"]["steps"]]
     for ax, ylabel in ((left, "goodput (requests/s within SLO)"), (right, "p95 TTFT (ms)")):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticks(loads, labels=[f"{x:g}" for x in loads])
         ax.set_xlabel(load_name)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
