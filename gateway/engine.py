@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 from pathlib import Path
 
 import structlog
@@ -69,6 +69,37 @@ def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dic
         shares.update(fixed)
         shares.update({key: left // len(rest) for key in rest})
     return shares
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes held by a module's parameters and buffers (its weights, as loaded)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[tuple[str, str], int], weights: dict[str, int]) -> None:
+    """Every slice with a ``memory_budget_bytes`` holds the weights of the models with a bucket
+    on it (those in ``weights``: loaded so far) plus the KV pools of its continuous buckets.
+
+    Raises:
+        ConfigError: naming the slice, its weights and KV bytes, and its budget.
+    """
+    for index, slice_config in enumerate(config.slices):
+        budget = slice_config.memory_budget_bytes
+        if budget is None:
+            continue
+        models = [m.name for m in config.models if any(b.slice == slice_config.name for b in m.buckets)]
+        weights_total = sum(weights.get(name, 0) for name in models)
+        kv_total = sum(
+            kv_bytes.get((m.name, b.bucket_name), 0) for m in config.models for b in config.continuous_buckets(slice_config.name)
+            if b in m.buckets
+        )
+        if weights_total + kv_total > budget:
+            loaded = ", ".join(f"{name} {weights[name]}" for name in models if name in weights)
+            raise ConfigError(
+                f"slices.{index}.memory_budget_bytes: slice {slice_config.name!r} needs {weights_total + kv_total} bytes "
+                f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}), over its budget of {int(budget)}"
+            )
 
 
 @dataclass
@@ -147,6 +178,7 @@ class Engine:
         self.retiring: list[Bucket] = []  # closed buckets still draining after a layout change
         self.bucket_hooks: list[BucketHook] = []
         self.kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
+        self.weight_bytes: dict[str, int] = {}  # per loaded model, for the slices' memory budgets
 
     def start(self) -> None:
         for model_config in self.config.models:
@@ -177,6 +209,7 @@ class Engine:
         served.draining = True
         drain_s, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s, poll_s)
         del self.models[name]
+        self.weight_bytes.pop(name, None)
         self.config = self.config.model_copy(update={"models": [m for m in self.config.models if m.name != name]})
         del served
         release_memory()
@@ -189,8 +222,10 @@ class Engine:
         Raises:
             ConfigError: its KV pools do not fit the slices' budgets.
         """
-        self.kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
-        served = self._load(model)
+        kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
+        check_slice_budgets(config, kv_memory_bytes, self.weight_bytes)
+        self.kv_memory_bytes = kv_memory_bytes
+        served = self._load(model, config)
         self.models[model.name] = served
         self.config = config
         return served
@@ -205,7 +240,9 @@ class Engine:
             ConfigError: the new KV pools do not fit the slices' budgets.
         """
         served = self.models[name]
-        self.kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
+        kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
+        check_slice_budgets(config, kv_memory_bytes, self.weight_bytes)
+        self.kv_memory_bytes = kv_memory_bytes
         buckets = self._buckets(model, served.loaded)
         old = served.table.buckets
         served.table = BucketTable(buckets)  # one reference swap: routing sees old or new, whole
@@ -257,10 +294,24 @@ class Engine:
             s.name: int(s.kv_cache_memory_bytes or default_kv_cache_memory_bytes(s.device)) for s in self.config.slices
         }
 
-    def _load(self, config: ModelConfig) -> ServedModel:
+    def _load(self, config: ModelConfig, gateway_config: GatewayConfig | None = None) -> ServedModel:
+        """Load a model, check the slices' memory budgets with its weights, build its buckets.
+
+        Raises:
+            ConfigError: its weights and KV pools do not fit a slice's ``memory_budget_bytes``
+                (the model is dropped again).
+        """
         device = self.slices[config.buckets[0].slice].device
         loaded = load_model(config.name, config.source, config.task, config.dtype, device, self.cache_dir)
         log.info("model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3))
+        weights = {**self.weight_bytes, config.name: weight_bytes(loaded.model)}
+        try:
+            check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, weights)
+        except ConfigError:
+            del loaded
+            release_memory()
+            raise
+        self.weight_bytes = weights
         buckets = self._buckets(config, loaded)
         return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)
 
@@ -276,6 +327,7 @@ class Engine:
     def _bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig) -> Bucket:
         device_slice = self.slices[config.slice]
         batcher: ContinuousBatcher | DynamicBatcher
+        info: dict[str, Any] = {"configured": config.backend}
         if isinstance(config.batcher, ContinuousBatcherConfig):
             from models.causal_lm import CausalLMRunner
 
@@ -288,7 +340,8 @@ class Engine:
                     f"models.{model.name}.buckets.{config.bucket_name}: {memory_bytes} bytes of KV memory hold no "
                     f"block of {knobs.block_size} tokens"
                 )
-            runner = CausalLMRunner(loaded.model, num_blocks, knobs.block_size)
+            label = self._backend_label(model, loaded, config, device_slice.num_threads, info)
+            runner = self._causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
             batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
             log.info(
                 "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
@@ -297,11 +350,87 @@ class Engine:
         else:
             from models.encoder import EmbeddingRunner
 
+            label = self._backend_label(model, loaded, config, device_slice.num_threads, info)
+            backend = self._encoder_backend(model, loaded, config, label, device_slice.num_threads, info)
             pad_id = loaded.tokenizer.pad_token_id or 0
-            runner = EmbeddingRunner(loaded.model, pad_id, loaded.folder)
+            runner = EmbeddingRunner(backend, pad_id, loaded.device, loaded.folder)
             batcher = DynamicBatcher(runner, dynamic_settings(config.batcher))
         max_seq_tokens = batcher.max_seq_tokens if isinstance(batcher, ContinuousBatcher) else None
         return Bucket(
             config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens,
-            max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens,
+            max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens, backend_info=info,
         )
+
+    def _backend_label(
+        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]
+    ) -> str:
+        """The backend a bucket runs: as configured, or for ``auto`` what its gate record (run
+        now when missing or stale and ``gate.run_at_start``) enabled. Fills ``info["gate"]``."""
+        from gateway import gate
+
+        if config.backend == "onnx":
+            return "onnx-int8" if config.quantization == "int8" else "onnx-fp32"
+        if config.backend != "auto":
+            return config.backend
+        path = gate.record_path(self.cache_dir, model.name, config.bucket_name)
+        record = gate.load_record(path, gate.gate_key(model, config, loaded, num_threads))
+        if record is None and self.config.gate.run_at_start:
+            log.info("gate_started", model=model.name, bucket=config.bucket_name, reason="no current gate record")
+            record = gate.run_gate(loaded, model, config, self.config.gate, self.cache_dir, num_threads)
+            gate.save_record(path, record)
+            log.info("gate_finished", model=model.name, bucket=config.bucket_name, chosen=record["chosen"], gate_s=record["gate_s"], record=str(path))
+        info["gate"] = gate.summary(record, self.config.gate)
+        return gate.chosen_backend(record, self.config.gate) if record is not None else "eager"
+
+    def _encoder_backend(
+        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, label: str, num_threads: int, info: dict[str, Any]
+    ) -> Any:
+        """The encoder backend ``label``, warmed at the bucket's shapes, behind a fallback to
+        eager; eager itself when ``label`` cannot be built (logged)."""
+        from gateway import gate
+        from models.backends import BackendUnavailableError, EagerEncoder, FallbackEncoder
+
+        eager = EagerEncoder(loaded.model)
+        info["running"] = "eager"
+        if label == "eager":
+            return eager
+        fields = {"model": model.name, "bucket": config.bucket_name, "backend": label}
+        try:
+            backend = gate.build_encoder(label, loaded, self.cache_dir, num_threads)
+            info["warm_up_s"] = round(backend.warm_up(gate.encoder_shapes(config)), 3)
+        except BackendUnavailableError as exc:
+            log.warning("backend_unavailable", **fields, error=str(exc), running="eager")
+            info["error"] = str(exc)
+            return eager
+        log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
+        info["running"] = label
+
+        def on_fallback(name: str, exc: Exception) -> None:
+            log.error("backend_failed", **fields, error=f"{type(exc).__name__}: {exc}", running="eager")
+            info.update(running="eager", error=f"{type(exc).__name__}: {exc}")
+
+        return FallbackEncoder(backend, eager, on_fallback)
+
+    def _causal_lm_runner(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any]
+    ) -> Any:
+        """A decoder runner with backend ``label``, warmed at the bucket's step shapes; eager
+        when ``label`` cannot be built (logged)."""
+        from gateway import gate
+        from models.backends import BackendUnavailableError
+        from models.causal_lm import CausalLMRunner
+
+        info["running"] = "eager"
+        if label == "eager":
+            return CausalLMRunner(loaded.model, num_blocks, block_size)
+        fields = {"model": loaded.name, "bucket": config.bucket_name, "backend": label}
+        try:
+            runner = CausalLMRunner(loaded.model, num_blocks, block_size, backend=label)
+            info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
+        except BackendUnavailableError as exc:
+            log.warning("backend_unavailable", **fields, error=str(exc), running="eager")
+            info["error"] = str(exc)
+            return CausalLMRunner(loaded.model, num_blocks, block_size)
+        log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
+        info["running"] = label
+        return runner

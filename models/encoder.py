@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
+from models.backends import EncoderBackend
+
 
 class EmbeddingRunner:
-    """Runs batches of token id lists through a Hugging Face encoder (BERT and kin).
+    """Runs batches of token id lists through an encoder backend (BERT and kin; see
+    :mod:`models.backends`).
 
     Pooling follows the sentence-transformers config in the model folder (``1_Pooling``):
     mean over the attention mask (default) or the CLS token; outputs are L2-normalised when the
@@ -19,10 +20,10 @@ class EmbeddingRunner:
     Called only from the bucket's worker thread.
     """
 
-    def __init__(self, model: Any, pad_token_id: int, folder: Path | None = None):
-        self.model = model
+    def __init__(self, backend: EncoderBackend, pad_token_id: int, device: torch.device | str = "cpu", folder: Path | None = None):
+        self.backend = backend
         self.pad_token_id = pad_token_id
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device)
         self.pooling, self.normalize = _read_sentence_transformers_config(folder)
 
     @torch.inference_mode()
@@ -41,7 +42,7 @@ class EmbeddingRunner:
             input_ids[row, : len(ids)] = torch.tensor(ids)
             mask[row, : len(ids)] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        hidden = self.backend.hidden_states(input_ids, mask)
         if self.pooling == "cls":
             pooled = hidden[:, 0]
         else:

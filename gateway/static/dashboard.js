@@ -99,13 +99,16 @@
     }
     const c = snapshot.counters;
     document.getElementById("status").textContent =
-      `${snapshot.state} · ${snapshot.kind} batcher on slice ${snapshot.slice} ` +
+      `${snapshot.state} · ${snapshot.kind} batcher on slice ${snapshot.slice} · ` +
+      `backend ${(snapshot.backend && snapshot.backend.running) || "eager"} ` +
       `(busy ${(100 * snapshot.slice_busy_ratio).toFixed(0)}%) · queue ${snapshot.num_waiting} · ` +
       `running ${snapshot.num_running} · finished ${c.num_finished} · rejected ${c.num_rejected} · ` +
       `timed out ${c.num_timed_out} · failed ${c.num_failed}`;
-    const config = JSON.stringify(snapshot.config, null, 2);
-    const pre = document.getElementById("config");
-    if (pre.textContent !== config) pre.textContent = config;
+    for (const [id, value] of [["config", snapshot.config], ["backend", snapshot.backend]]) {
+      const text = JSON.stringify(value, null, 2);
+      const pre = document.getElementById(id);
+      if (pre.textContent !== text) pre.textContent = text;
+    }
   }
 
   let previous = null;

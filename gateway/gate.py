@@ -1,0 +1,298 @@
+"""Backend gates at a bucket's shapes: measure, judge (:mod:`policies.gating`), record, reuse.
+
+A gate run builds every candidate backend a bucket could use, measures it against ``eager`` at
+the bucket's shapes (latency per batch, medians of interleaved runs) and for accuracy, and
+writes a JSON record to ``<cache_dir>/gates/<model>/<bucket>.json``: the machine, the library
+versions, the shapes, every figure, each verdict and the chosen backend. A record counts only
+while its ``key`` (machine, versions, model files, dtype, shapes) equals the current one;
+otherwise it is stale and the gate runs again. Verdicts are re-judged from the stored figures
+with the current thresholds, so changing a threshold needs no new measurement.
+
+Shapes:
+    dynamic (encoder) bucket: ``(batch, max_input_tokens)`` for batch 1, a quarter and all of
+        ``max_batch_size``: the padded shapes its batches take at the length boundary.
+    continuous (decoder) bucket: one prefill chunk of ``min(max_input_tokens,
+        max_num_batched_tokens)`` tokens, and decode steps of 1 and ``max_num_seqs`` sequences
+        at a context of ``max_input_tokens``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gateway.config import BucketConfig, ContinuousBatcherConfig, GateConfig, ModelConfig
+from models.backends import BackendUnavailableError, EagerEncoder, EncoderBackend
+from models.loader import LoadedModel
+from policies.gating import GateThresholds, Measurement, Verdict, choose_backend, judge
+
+log = structlog.get_logger(__name__)
+
+RECORD_VERSION = 1
+# The fixed accuracy set: varied topics and lengths (the longest are cut to the bucket's limit).
+GATE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "How do I reset my password?",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "The central bank raised interest rates by a quarter of a percentage point on Tuesday.",
+    "def add(a, b): return a + b",
+    "Paris is the capital and most populous city of France.",
+    "I loved the film, but the ending felt rushed and the soundtrack was far too loud.",
+    "Mix the flour, sugar and butter, then bake for twenty minutes at 180 degrees.",
+    "Quantum entanglement links the states of particles regardless of the distance between them.",
+    "Error 503: the service is temporarily unavailable, please retry after a few seconds.",
+    "A batch of independent requests keeps the accelerator busy and raises throughput.",
+    "¿Dónde está la estación de tren más cercana?",
+    "Der schnelle braune Fuchs springt über den faulen Hund.",
+    "The patient reported mild headaches and occasional dizziness after the new medication.",
+    "ok",
+    "Transformers use self-attention to weigh every token of the input against every other token.",
+) + tuple(
+    " ".join(
+        f"Paragraph {i}: the river rose through the night, the town watched the levee, and by dawn "
+        f"the water had found the low streets near the old mill, where volunteers stacked sandbags "
+        f"and counted boats while the radio repeated the warnings every few minutes."
+        for i in range(n)
+    )
+    for n in (2, 4, 8)
+)
+
+
+def encoder_shapes(bucket: BucketConfig) -> list[tuple[int, int]]:
+    """The ``(batch, seq)`` shapes a dynamic bucket is gated at."""
+    max_batch = bucket.batcher.max_batch_size  # type: ignore[union-attr]
+    batches = sorted({1, max(1, max_batch // 4), max_batch})
+    return [(b, bucket.max_input_tokens) for b in batches]
+
+
+def decoder_shapes(bucket: BucketConfig) -> list[dict[str, int | str]]:
+    """The step shapes a continuous bucket is gated at."""
+    batcher = bucket.batcher
+    assert isinstance(batcher, ContinuousBatcherConfig)
+    prefill = min(bucket.max_input_tokens, batcher.max_num_batched_tokens)
+    shapes: list[dict[str, int | str]] = [{"step": "prefill", "num_tokens": prefill}]
+    for num_seqs in sorted({1, batcher.max_num_seqs}):
+        shapes.append({"step": "decode", "num_seqs": num_seqs, "context_tokens": bucket.max_input_tokens})
+    return shapes
+
+
+def gate_key(model: ModelConfig, bucket: BucketConfig, loaded: LoadedModel, num_threads: int) -> dict[str, Any]:
+    """What a record was measured under; a record whose key differs from this one is stale."""
+    return {
+        "record_version": RECORD_VERSION,
+        "machine": machine_info(loaded.device, num_threads),
+        "versions": library_versions(),
+        "model": {"source": model.source, "dtype": model.dtype, "files": _folder_fingerprint(loaded.folder)},
+        "kind": bucket.batcher.kind,
+        "shapes": encoder_shapes(bucket) if model.task == "embed" else decoder_shapes(bucket),
+    }
+
+
+def machine_info(device: str, num_threads: int) -> dict[str, Any]:
+    """The CPU (or GPU) model, core count, threads and device a measurement ran on."""
+    info: dict[str, Any] = {"device": device, "num_threads": num_threads, "cpu_count": os.cpu_count(), "arch": platform.machine()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        info["cpu"] = platform.processor()
+    if device.startswith("cuda"):
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def library_versions() -> dict[str, str | None]:
+    """Versions of what a backend's speed and numerics depend on (``None``: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "onnx", "onnxruntime", "onnxruntime-gpu", "sluice"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def _folder_fingerprint(folder: Path) -> list[tuple[str, int]]:
+    return sorted((p.name, p.stat().st_size) for p in folder.iterdir() if p.is_file())
+
+
+def record_path(cache_dir: Path, model: str, bucket: str) -> Path:
+    """Where the gate record of ``model``'s bucket ``bucket`` lives."""
+    return cache_dir / "gates" / model.replace("/", "_") / f"{bucket}.json"
+
+
+def load_record(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The record at ``path`` when it exists, parses and matches ``key``; else ``None``."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    # JSON has no tuples: compare through a JSON round trip.
+    return record if record.get("key") == json.loads(json.dumps(key)) else None
+
+
+def save_record(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def thresholds(config: GateConfig) -> GateThresholds:
+    return GateThresholds(config.min_speedup, config.min_cosine, config.min_cosine_quantized, config.min_top1_agreement)
+
+
+def verdicts(record: dict[str, Any], config: GateConfig) -> list[Verdict]:
+    """Each candidate of ``record`` judged with ``config``'s thresholds."""
+    fields = set(Measurement.__dataclass_fields__)
+    measured = [Measurement(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items() if k in fields}) for c in record["candidates"]]
+    return [judge(m, thresholds(config)) for m in measured]
+
+
+def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
+    """The backend the record enables under ``config`` (``eager`` when none)."""
+    return choose_backend(verdicts(record, config))
+
+
+def run_gate(
+    loaded: LoadedModel, model: ModelConfig, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int
+) -> dict[str, Any]:
+    """Measure every candidate for one bucket and return the record (not yet saved)."""
+    started = time.perf_counter()
+    if model.task == "embed":
+        candidates = _gate_encoder(loaded, bucket, config, cache_dir, num_threads)
+    else:
+        candidates = _gate_decoder(loaded, bucket, config)
+    record = {
+        "model": model.name,
+        "bucket": bucket.bucket_name,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "key": json.loads(json.dumps(gate_key(model, bucket, loaded, num_threads))),
+        "repeats": config.repeats,
+        "candidates": candidates,
+        "gate_s": round(time.perf_counter() - started, 3),
+    }
+    judged = verdicts(record, config)
+    record["verdicts"] = [{"backend": v.backend, "enabled": v.enabled, "speedup": v.speedup, "reasons": list(v.reasons)} for v in judged]
+    record["chosen"] = choose_backend(judged)
+    record["thresholds"] = thresholds(config).__dict__
+    return record
+
+
+def build_encoder(label: str, loaded: LoadedModel, cache_dir: Path, num_threads: int) -> EncoderBackend:
+    """The encoder backend ``label`` (``eager``, ``compiled``, ``onnx-fp32``, ``onnx-int8``).
+
+    Raises:
+        BackendUnavailableError: it cannot be built here.
+    """
+    if label == "eager":
+        return EagerEncoder(loaded.model)
+    if label == "compiled":
+        from models.backends.compiled import CompiledEncoder
+
+        return CompiledEncoder(loaded.model)
+    if label in ("onnx-fp32", "onnx-int8"):
+        from models.backends.onnx import OnnxEncoder
+
+        quantization = "int8" if label == "onnx-int8" else "none"
+        return OnnxEncoder(loaded.model, loaded.folder, quantization, cache_dir, num_threads, loaded.device)
+    raise BackendUnavailableError(f"unknown encoder backend {label!r}")
+
+
+def _gate_encoder(
+    loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int
+) -> list[dict[str, Any]]:
+    import torch
+
+    from models.backends.measure import batched, interleaved_medians_ms, min_cosine
+    from models.encoder import EmbeddingRunner
+
+    shapes = encoder_shapes(bucket)
+    backends: dict[str, EncoderBackend] = {"eager": EagerEncoder(loaded.model)}
+    results: dict[str, dict[str, Any]] = {}
+    for label in config.candidates:
+        results[label] = {"backend": label, "quantized": label.endswith("int8")}
+        try:
+            built_at = time.perf_counter()
+            backend = build_encoder(label, loaded, cache_dir, num_threads)
+            results[label]["build_s"] = round(time.perf_counter() - built_at, 3)
+            results[label]["warm_up_s"] = round(backend.warm_up(shapes), 3)
+            backends[label] = backend
+        except BackendUnavailableError as exc:
+            results[label]["error"] = str(exc)
+    ids = _token_ids(loaded, max(seq for _, seq in shapes))
+    inputs = [(ids[:, :seq].expand(batch, seq).contiguous(), torch.ones((batch, seq), dtype=torch.long)) for batch, seq in shapes]
+    calls = {name: (lambda i, b=b: b.hidden_states(*inputs[i])) for name, b in backends.items()}
+    medians = interleaved_medians_ms(calls, len(shapes), config.repeats)
+    texts = [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS]
+    pad_id = loaded.tokenizer.pad_token_id or 0
+    max_batch = bucket.batcher.max_batch_size  # type: ignore[union-attr]
+
+    def embed(backend: EncoderBackend) -> torch.Tensor:
+        runner = EmbeddingRunner(backend, pad_id, loaded.device, loaded.folder)
+        return torch.cat([runner.embed(batch)[0] for batch in batched(texts, max_batch)])
+
+    reference = embed(backends["eager"])
+    for name, backend in backends.items():
+        if name == "eager":
+            continue
+        try:
+            results[name]["min_cosine"] = round(min_cosine(reference, embed(backend)), 6)
+        except Exception as exc:  # a backend that fails at run time is refused, with the reason
+            results[name]["error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        results[name]["eager_ms"] = [round(ms, 3) for ms in medians["eager"]]
+        results[name]["candidate_ms"] = [round(ms, 3) for ms in medians[name]]
+    return list(results.values())
+
+
+def _token_ids(loaded: LoadedModel, length: int) -> Any:
+    """``[1, length]`` real token ids cut from the gate texts (the tokenizer's special tokens kept)."""
+    import torch
+
+    text = " ".join(GATE_TEXTS)
+    while len(loaded.tokenizer(text)["input_ids"]) < length:
+        text = f"{text} {text}"
+    ids = loaded.tokenizer(text, truncation=True, max_length=length)["input_ids"]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def _gate_decoder(loaded: LoadedModel, bucket: BucketConfig, config: GateConfig) -> list[dict[str, Any]]:
+    from models.backends.decoder_gate import measure_decoder
+
+    candidates = [c for c in config.candidates if c == "compiled"]
+    return measure_decoder(loaded, decoder_shapes(bucket), bucket.batcher.block_size, candidates, config.repeats)  # type: ignore[union-attr]
+
+
+def summary(record: dict[str, Any] | None, config: GateConfig) -> dict[str, Any] | None:
+    """A record in brief for the admin API and the dashboard: when, chosen, and per candidate
+    the speed-up, accuracy and verdict."""
+    if record is None:
+        return None
+    judged = {v.backend: v for v in verdicts(record, config)}
+    rows = []
+    for candidate in record["candidates"]:
+        verdict = judged[candidate["backend"]]
+        rows.append({
+            "backend": candidate["backend"],
+            "enabled": verdict.enabled,
+            "speedup": None if verdict.speedup is None else round(verdict.speedup, 3),
+            "min_cosine": candidate.get("min_cosine"),
+            "tokens_identical": candidate.get("tokens_identical"),
+            "reasons": list(verdict.reasons),
+        })
+    return {"created": record["created"], "chosen": choose_backend(list(judged.values())), "candidates": rows}

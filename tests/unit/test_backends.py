@@ -1,0 +1,76 @@
+"""Backend plumbing without models: the run-time fallback to eager, and the config rules for
+``backend`` and ``quantization``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from gateway.config import parse_config
+from gateway.errors import ConfigError
+from models.backends import FallbackEncoder
+from tests.unit.test_config import config_error, make_config_data
+
+
+class FakeEncoder:
+    def __init__(self, name: str, fail_on_call: int | None = None):
+        self.name, self.fail_on_call, self.calls = name, fail_on_call, 0
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("session lost")
+        return torch.full((*input_ids.shape, 4), float(len(self.name)))
+
+    def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
+        return 0.0
+
+
+def test_a_failing_backend_hands_the_batch_and_all_later_ones_to_eager_once() -> None:
+    primary, eager = FakeEncoder("onnx-fp32", fail_on_call=2), FakeEncoder("eager")
+    failures: list[tuple[str, str]] = []
+    backend = FallbackEncoder(primary, eager, lambda name, exc: failures.append((name, str(exc))))
+    ids = torch.ones((2, 3), dtype=torch.long)
+    assert backend.name == "onnx-fp32" and backend.hidden_states(ids, ids)[0, 0, 0] == len("onnx-fp32")
+    assert backend.hidden_states(ids, ids)[0, 0, 0] == len("eager")  # the failed batch still gets an answer
+    assert backend.hidden_states(ids, ids)[0, 0, 0] == len("eager")
+    assert backend.name == "eager" and failures == [("onnx-fp32", "session lost")]
+    assert (primary.calls, eager.calls) == (2, 2)  # the primary is not tried again
+
+
+def with_bucket(model: int, **fields: object) -> dict[str, object]:
+    data = make_config_data()
+    data["models"][model]["buckets"][0].update(fields)
+    return data
+
+
+def test_backend_and_quantization_rules() -> None:
+    parse_config(with_bucket(1, backend="onnx", quantization="int8"))
+    parse_config(with_bucket(0, backend="compiled"))
+    parse_config(with_bucket(1, backend="auto"))
+    assert "onnx runs embedding models only" in config_error(with_bucket(0, backend="onnx"))
+    assert "quantization: int8 needs backend onnx" in config_error(with_bucket(1, backend="auto", quantization="int8"))
+    with pytest.raises(ConfigError, match="backend"):
+        parse_config(with_bucket(1, backend="tensorrt"))
+    with pytest.raises(ConfigError, match="gate.min_speedup"):
+        parse_config({**make_config_data(), "gate": {"min_speedup": 0.5}})
+
+
+def test_slice_budgets_count_weights_of_loaded_models_and_kv_pools() -> None:
+    from gateway.engine import check_slice_budgets
+
+    data = make_config_data()
+    data["slices"][0]["memory_budget_bytes"] = 1000
+    config = parse_config(data)
+    kv = {("gen", "le32"): 300, ("gen", "le96"): 300}
+    check_slice_budgets(config, kv, {})  # 600 of KV, no weights loaded yet
+    check_slice_budgets(config, kv, {"gen": 250, "emb": 150})  # exactly 1000
+    with pytest.raises(ConfigError) as exc:
+        check_slice_budgets(config, kv, {"gen": 250, "emb": 151})
+    message = str(exc.value)
+    assert "slices.0.memory_budget_bytes" in message and "needs 1001 bytes" in message
+    assert "gen 250, emb 151" in message and "KV pools 600" in message and "budget of 1000" in message
+    data["slices"][0]["kv_cache_memory_bytes"] = 2000
+    assert "kv_cache_memory_bytes: 2000 is above memory_budget_bytes 1000" in config_error(data)
