@@ -13,6 +13,7 @@ from typing import Any
 from buckets.admission import AdmissionGate
 from buckets.batcher import Batcher
 from buckets.device_slice import DeviceSlice
+from buckets.process_slice import ProcessSlice
 from buckets.errors import BucketClosedError
 from buckets.request import Request
 from buckets.stats import BucketStats
@@ -30,7 +31,7 @@ class Bucket:
     model_name: str
     max_input_tokens: int
     batcher: Batcher
-    device_slice: DeviceSlice
+    device_slice: DeviceSlice | ProcessSlice
     max_seq_tokens: int | None = None
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None

@@ -40,6 +40,8 @@ class DeviceSlice:
         clock: seconds, monotonic.
     """
 
+    isolation = "thread"
+
     def __init__(
         self,
         name: str,
@@ -60,6 +62,14 @@ class DeviceSlice:
         self._stepping: Batcher | None = None
         self.busy_s = 0.0  # seconds spent in steps since start (worker-written)
         self._recent_steps: collections.deque[tuple[float, float]] = collections.deque()  # (end, seconds)
+
+    def describe(self) -> dict[str, object]:
+        """The slice for the admin API: name, device, threads, isolation, busy ratio."""
+        return {
+            "name": self.name, "device": self.device, "num_threads": self.num_threads,
+            "isolation": self.isolation, "state": "ready" if self._thread is not None and self._thread.is_alive() else "stopped",
+            "busy_ratio": self.busy_ratio(),
+        }
 
     def attach(self, batcher: Batcher) -> None:
         with self._wake:

@@ -41,3 +41,22 @@ class DeadlineExceededError(BucketError):
 
 class BucketClosedError(BucketError):
     """The bucket was replaced by a new layout and takes no new requests; route to the new one."""
+
+
+class WorkerCrashedError(BucketError):
+    """The worker process of the request's slice died while the request was in flight; the
+    gateway restarts it, and the client may retry."""
+
+
+class SliceUnavailableError(BucketError):
+    """The worker process of the bucket's slice is (re)starting and takes no requests yet.
+
+    Args:
+        reason: what the slice is doing.
+        retry_after_s: whole seconds the client should wait.
+    """
+
+    def __init__(self, reason: str, retry_after_s: int):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s

@@ -97,6 +97,7 @@ def describe_model(served: ServedModel) -> dict[str, Any]:
             "max_input_tokens": bucket.max_input_tokens,
             "slice": bucket.device_slice.name,
             "device": bucket.device_slice.device,
+            "isolation": bucket.device_slice.isolation,
             "kind": stats.kind,
             "backend": bucket.backend_info,
             "stats": asdict(stats),
@@ -119,6 +120,13 @@ class AdminController(Controller):
         loading = [{"name": name, "state": "loading"} for name in sorted(_loading(request))]
         return {"models": [describe_model(m) for m in engine.models.values()] + loading}
 
+    @get("/slices")
+    async def list_slices(self, request: Any) -> dict[str, Any]:
+        """Every slice: device, threads, isolation, state; a process slice's ``worker_pid`` and
+        ``num_restarts``."""
+        engine: Engine = request.app.state.engine
+        return {"slices": [s.describe() for s in engine.slices.values()]}
+
     @get("/models/{model:str}")
     async def get_model(self, request: Any, model: str) -> dict[str, Any]:
         engine: Engine = request.app.state.engine
@@ -137,6 +145,7 @@ class AdminController(Controller):
                 raise model_not_found(model) if served is None else APIError(
                     409, f"The model '{model}' is already draining", "invalid_request_error", code="model_draining"
                 )
+            _check_thread_slices(engine, served.config, "unloading")
             before = served.state
             client = request.client.host if request.client else None
             audit_log.info("admin_audit", who=client, action="unload_model", model=model, before=before, after="draining")
@@ -155,6 +164,7 @@ class AdminController(Controller):
                 raise APIError(409, f"The model '{name}' is already served or loading", "invalid_request_error", "name", "model_exists")
             config = _validated({**_config_data(engine.config), "models": [*_models_data(engine.config), data]})
             model = config.models[-1]
+            _check_thread_slices(engine, model, "loading")
             _loading(request).add(model.name)
             try:
                 served = await asyncio.to_thread(_configured, engine.load, model, config)
@@ -174,6 +184,8 @@ class AdminController(Controller):
             models = _models_data(engine.config)
             models[index] = {**models[index], "buckets": data.get("buckets")}
             config = _validated({**_config_data(engine.config), "models": models})
+            _check_thread_slices(engine, served.config, "a new bucket layout of")
+            _check_thread_slices(engine, config.models[index], "a new bucket layout of")
             before = [b.model_dump(mode="json") for b in served.config.buckets]
             old = await asyncio.to_thread(_configured, engine.replace_layout, model, config.models[index], config)
             engine.retire(old, engine.config.drain_timeout_s)
@@ -309,6 +321,22 @@ def _ready_model(engine: Engine, name: str) -> ServedModel:
     if served.draining:
         raise APIError(409, f"The model '{name}' is draining", "invalid_request_error", code="model_draining")
     return served
+
+
+def _check_thread_slices(engine: Engine, model: ModelConfig, action: str) -> None:
+    """Raises APIError 409 (``process_slice``) when a bucket of ``model`` is on a slice with
+    ``isolation: process``: its worker process builds its buckets at start, and does not yet
+    load, unload or rebuild them at run time (knob changes do reach it)."""
+    for bucket in model.buckets:
+        device_slice = engine.slices.get(bucket.slice)
+        if device_slice is not None and device_slice.isolation == "process":
+            raise APIError(
+                409,
+                f"{action.capitalize()} the model '{model.name}' is not supported: its bucket '{bucket.bucket_name}' is "
+                f"on slice '{bucket.slice}', which has isolation: process (restart the gateway with a new config)",
+                "invalid_request_error",
+                code="process_slice",
+            )
 
 
 def _loading(request: Any) -> set[str]:

@@ -23,7 +23,7 @@ class _Strict(BaseModel):
 
 
 class SliceConfig(_Strict):
-    """A device slice: a device and the worker thread that runs its buckets."""
+    """A device slice: a device and the worker (thread or process) that runs its buckets."""
 
     name: str = Field(min_length=1)
     device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
@@ -37,6 +37,10 @@ class SliceConfig(_Strict):
     # ("6GiB" or bytes); a layout over it is refused at start and by the admin API (422).
     # Unset: only kv_cache_memory_bytes bounds the KV pools.
     memory_budget_bytes: ByteSize | None = Field(default=None, gt=0)
+    # thread: the buckets run on a worker thread of the gateway process. process: on a worker
+    # process of their own, started and supervised by the gateway (restarted when it dies; its
+    # requests in flight get a 503).
+    isolation: Literal["thread", "process"] = "thread"
 
     @model_validator(mode="after")
     def _check_budget(self) -> "SliceConfig":

@@ -13,11 +13,13 @@ import structlog
 from buckets.bucket import Bucket, BucketTable
 from buckets.continuous import ContinuousBatcher
 from buckets.device_slice import DeviceSlice
+from buckets.process_slice import ProcessSlice
 from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from buckets.request import Request
 from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
+from gateway.slice_worker import make_slice, remote_bucket
 from gateway.config import BucketConfig, ContinuousBatcherConfig, DynamicBatcherConfig, GatewayConfig, ModelConfig
 from models.cpu_memory import release_memory
 from models.loader import LoadedModel, load_model
@@ -69,6 +71,26 @@ def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dic
         shares.update(fixed)
         shares.update({key: left // len(rest) for key in rest})
     return shares
+
+
+def kv_num_blocks(
+    model: ModelConfig, loaded: LoadedModel, config: BucketConfig, kv_memory_bytes: dict[tuple[str, str], int]
+) -> int:
+    """The KV blocks of continuous bucket ``config`` of ``model``: its share of its slice's KV memory
+    (:func:`split_kv_memory`) in blocks of its ``block_size`` tokens.
+
+    Raises:
+        ConfigError: the share holds no block.
+    """
+    block_size = config.batcher.block_size  # type: ignore[union-attr]
+    memory_bytes = kv_memory_bytes[(model.name, config.bucket_name)]
+    num_blocks = int(loaded.kv_shape().num_blocks_for(memory_bytes, block_size, loaded.dtype_bytes))
+    if num_blocks < 1:
+        raise ConfigError(
+            f"models.{model.name}.buckets.{config.bucket_name}: {memory_bytes} bytes of KV memory hold no "
+            f"block of {block_size} tokens"
+        )
+    return num_blocks
 
 
 def weight_bytes(model: Any) -> int:
@@ -170,9 +192,7 @@ class Engine:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
-        self.slices = {
-            s.name: DeviceSlice(s.name, s.device, s.num_threads, s.max_consecutive_steps) for s in config.slices
-        }
+        self.slices: dict[str, DeviceSlice | ProcessSlice] = {s.name: make_slice(s, self) for s in config.slices}
         self.models: dict[str, ServedModel] = {}
         self.request_observers: list[RequestObserver] = []
         self.retiring: list[Bucket] = []  # closed buckets still draining after a layout change
@@ -326,6 +346,8 @@ class Engine:
 
     def _bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig) -> Bucket:
         device_slice = self.slices[config.slice]
+        if isinstance(device_slice, ProcessSlice):
+            return remote_bucket(model, loaded, config, device_slice, self.kv_memory_bytes)
         batcher: ContinuousBatcher | DynamicBatcher
         info: dict[str, Any] = {"configured": config.backend}
         if isinstance(config.batcher, ContinuousBatcherConfig):
@@ -333,13 +355,7 @@ class Engine:
 
             knobs = config.batcher
             settings = continuous_settings(knobs)
-            memory_bytes = self.kv_memory_bytes[(model.name, config.bucket_name)]
-            num_blocks = loaded.kv_shape().num_blocks_for(memory_bytes, knobs.block_size, loaded.dtype_bytes)
-            if num_blocks < 1:
-                raise ConfigError(
-                    f"models.{model.name}.buckets.{config.bucket_name}: {memory_bytes} bytes of KV memory hold no "
-                    f"block of {knobs.block_size} tokens"
-                )
+            num_blocks = kv_num_blocks(model, loaded, config, self.kv_memory_bytes)
             label = self._backend_label(model, loaded, config, device_slice.num_threads, info)
             runner = self._causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
             batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)

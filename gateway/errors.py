@@ -11,7 +11,7 @@ import re
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from buckets.errors import DeadlineUnmeetableError, QueueFullError
+from buckets.errors import DeadlineUnmeetableError, QueueFullError, SliceUnavailableError
 
 # Union members show up in pydantic's error locations as their type's name ("str",
 # "list[str]"); they are not request fields, so a ``param`` leaves them out.
@@ -94,6 +94,34 @@ def model_unavailable(name: str, retry_after_s: int) -> APIError:
         param="model",
         code="model_unavailable",
         headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+# Seconds a client is asked to wait after its slice's worker process died (it is restarting).
+WORKER_RETRY_AFTER_S = 5
+
+
+def slice_unavailable(model: str, bucket: str, exc: SliceUnavailableError) -> APIError:
+    """503 ``slice_unavailable`` with ``Retry-After``: the worker process of the bucket's slice is
+    (re)starting."""
+    return APIError(
+        503,
+        f"Bucket '{bucket}' of '{model}' is not serving: {exc.reason}; retry after {exc.retry_after_s} s",
+        "service_unavailable_error",
+        code="slice_unavailable",
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
+
+
+def worker_crashed(error: Exception) -> APIError:
+    """503 ``worker_crashed`` with ``Retry-After``: the worker process running the request died
+    (the gateway restarts it)."""
+    return APIError(
+        503,
+        f"The request failed: {error}; retry after {WORKER_RETRY_AFTER_S} s",
+        "service_unavailable_error",
+        code="worker_crashed",
+        headers={"Retry-After": str(WORKER_RETRY_AFTER_S)},
     )
 
 

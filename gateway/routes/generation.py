@@ -7,10 +7,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from buckets.errors import DeadlineExceededError
+from buckets.errors import DeadlineExceededError, WorkerCrashedError
 from buckets.request import ErrorEvent, GenerationRequest, Request as CoreRequest, RequestEvent, TokenEvent
 from gateway.engine import ServedModel
-from gateway.errors import APIError, deadline_exceeded
+from gateway.errors import APIError, deadline_exceeded, worker_crashed
 from gateway.streams import ChannelItem, EventChannel, Interrupt, RequestWatch
 
 
@@ -60,7 +60,15 @@ def _failure(served: ServedModel, request: CoreRequest, item: Interrupt | ErrorE
         waited_s = time.monotonic() - request.timeline.get("arrival", time.monotonic())
         return deadline_exceeded(waited_s)
     served.finish(request, 0, "error")
-    return APIError(500, f"request failed: {item.error}", "server_error")
+    return core_failure(item.error)
+
+
+def core_failure(error: Exception) -> APIError:
+    """The API error of a request the core failed: 503 with ``Retry-After`` when its slice's
+    worker process died (:class:`WorkerCrashedError`), else 500."""
+    if isinstance(error, WorkerCrashedError):
+        return worker_crashed(error)
+    return APIError(500, f"request failed: {error}", "server_error")
 
 
 async def collect_response(
@@ -169,7 +177,7 @@ async def stream_response(
                 finish_reason: str | None = "timeout"
             elif isinstance(item, ErrorEvent):
                 outcome = "error"
-                error = APIError(500, f"generation failed: {item.error}", "server_error")
+                error = core_failure(item.error)
                 yield _sse(error.body())
                 break
             else:

@@ -17,10 +17,10 @@ from litestar.response import Response, Stream
 from pydantic import BaseModel, ValidationError
 
 from buckets.bucket import Bucket
-from buckets.errors import BucketClosedError, QueueFullError
+from buckets.errors import BucketClosedError, QueueFullError, SliceUnavailableError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest, TokenEvent
 from gateway.engine import ServedModel
-from gateway.errors import APIError, invalid_request, model_unavailable, queue_full, validation_error
+from gateway.errors import APIError, invalid_request, model_unavailable, queue_full, slice_unavailable, validation_error
 from gateway.router import Router
 from gateway.routes.generation import collect_response, first_event, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
@@ -207,7 +207,8 @@ def submit(served: ServedModel, route: Callable[[], Bucket], request: CoreReques
 
     Raises:
         APIError: 429 ``queue_full`` with ``Retry-After`` when the bucket's queue is full; 503
-            when every attempt met a closed bucket; the 400s of ``route``.
+            when every attempt met a closed bucket, or the bucket's slice worker process is
+            restarting (``slice_unavailable``); the 400s of ``route``.
     """
     for _ in range(MAX_ROUTE_ATTEMPTS):
         bucket = route()
@@ -218,6 +219,8 @@ def submit(served: ServedModel, route: Callable[[], Bucket], request: CoreReques
             continue
         except QueueFullError as exc:
             raise queue_full(served.config.name, bucket.name, exc) from None
+        except SliceUnavailableError as exc:
+            raise slice_unavailable(served.config.name, bucket.name, exc) from None
     raise model_unavailable(served.config.name, 1)
 
 

@@ -1,0 +1,377 @@
+"""A device slice whose buckets run in a worker process that the gateway starts and supervises.
+
+The worker process loads the slice's models, builds their real batchers on a thread
+:class:`~buckets.device_slice.DeviceSlice` of its own and serves them through a
+:class:`~buckets.slice_host.SliceHost`; the gateway keeps one
+:class:`~buckets.remote_batcher.RemoteBatcher` per bucket, which submits through this slice.
+Both sides talk over one ``multiprocessing`` pipe (messages: :mod:`buckets.slice_messages`);
+the process is started with ``spawn`` (forking a process that runs torch threads is unsafe).
+
+This object owns the requests in flight on its worker. A reader thread routes the worker's
+events to their requests' sinks; a sender thread writes to the pipe, so :meth:`submit` never
+blocks; a watch thread forwards cancellations (hang-ups, deadlines) so the worker frees their
+KV blocks. When the worker dies (end of file on the pipe) every request in flight fails with
+:class:`~buckets.errors.WorkerCrashedError`, new ones get
+:class:`~buckets.errors.SliceUnavailableError`, and a new worker is started (with backoff when
+it keeps dying) until :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import structlog
+
+from buckets.errors import ShuttingDownError, SliceUnavailableError, WorkerCrashedError
+from buckets.remote_batcher import RemoteBatcher
+from buckets.request import ErrorEvent, Request
+from buckets.slice_messages import BucketKey, Message, decode_event, decode_stats, encode_request, is_final
+
+log = structlog.get_logger(__name__)
+
+CANCEL_POLL_S = 0.02
+START_TIMEOUT_S = 900.0
+RESTART_BACKOFF_S = 0.2  # doubled after each worker that dies before it is ready, up to the max
+MAX_RESTART_BACKOFF_S = 30.0
+RETRY_AFTER_S = 5  # what a client is told while the worker restarts
+
+
+@dataclass
+class _InFlight:
+    key: BucketKey
+    request: Request
+
+
+class _Worker:
+    """One worker process and the gateway's end of its pipe; a restart makes a new one."""
+
+    def __init__(self, process: Any, conn: Connection):
+        self.process = process
+        self.conn = conn
+        self.pid: int | None = process.pid
+        self.outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self.ready = threading.Event()
+        self.reader: threading.Thread | None = None
+
+
+class ProcessSlice:
+    """The gateway's side of a slice with ``isolation: process``; the same surface as
+    :class:`~buckets.device_slice.DeviceSlice` for the engine, the admin API and the metrics.
+
+    Args:
+        name, device, num_threads: as the slice's config (the worker applies ``num_threads``).
+        target: the worker's entry point, ``target(conn, *worker_args())``; a module-level
+            function (it is pickled by name).
+        worker_args: called in the gateway before each start; returns plain, picklable
+            arguments (the current config, so a restart serves the current knobs).
+        start_timeout_s: how long :meth:`start` waits for the first worker to be ready.
+    """
+
+    isolation = "process"
+
+    def __init__(
+        self,
+        name: str,
+        device: str,
+        num_threads: int,
+        target: Callable[..., None],
+        worker_args: Callable[[], tuple[Any, ...]],
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
+        self.name = name
+        self.device = device
+        self.num_threads = num_threads
+        self.start_timeout_s = start_timeout_s
+        self.state = "stopped"  # starting, ready, restarting, stopped
+        self.num_restarts = 0
+        self._target = target
+        self._worker_args = worker_args
+        self._batchers: dict[BucketKey, RemoteBatcher] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
+        self._stopping = threading.Event()
+        self._request_nos = itertools.count()
+        self._num_failed_starts = 0
+        self._busy_s_before = 0.0  # seconds stepped by workers gone
+        self._busy_s = 0.0
+        self._busy_ratio = 0.0
+        self._watch: threading.Thread | None = None
+
+    # -- the DeviceSlice surface -------------------------------------------------------------
+
+    def attach(self, batcher: RemoteBatcher) -> None:
+        self._batchers[batcher.key] = batcher
+
+    def detach(self, batcher: RemoteBatcher) -> None:
+        """Take ``batcher`` off this slice. Raises ValueError when it is not attached."""
+        if self._batchers.pop(batcher.key, None) is None:
+            raise ValueError(f"bucket {batcher.key} is not on slice {self.name!r}")
+
+    def notify(self) -> None:
+        """Nothing to wake here: the worker wakes its own slice when a request arrives."""
+
+    def start(self) -> None:
+        """Start the worker process and wait until it is ready (slow: it loads its models).
+
+        Raises:
+            RuntimeError: the worker exited or was not ready within ``start_timeout_s``.
+        """
+        self._stopping.clear()
+        if not self._batchers:
+            return  # no bucket placed here: nothing to run
+        self.state = "starting"
+        worker = self._launch()
+        assert worker is not None  # nothing stops a slice that is not started yet
+        if not self._await_ready(worker):
+            self.stop()
+            raise RuntimeError(f"slice {self.name!r}: the worker process did not start (exit code {worker.process.exitcode})")
+        self._watch = threading.Thread(target=self._watch_cancellations, name=f"slice-{self.name}-cancel", daemon=True)
+        self._watch.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker after its current step (it fails what it holds); fail what is left."""
+        with self._lock:
+            self._stopping.set()
+            worker = self._worker
+        if worker is not None:
+            worker.outbox.put(("stop",))
+            worker.process.join(timeout_s)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout_s)
+            if worker.reader is not None and worker.reader is not threading.current_thread():
+                worker.reader.join(timeout_s)
+            log.info("worker_stopped", slice=self.name, pid=worker.pid, exit_code=worker.process.exitcode)
+        self._fail(lambda entry: True, ShuttingDownError("the bucket stopped before the request finished"))
+        self.state = "stopped"
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the workers of this slice have spent in steps (as last reported)."""
+        return self._busy_s_before + self._busy_s
+
+    def busy_ratio(self, now: float | None = None) -> float:
+        """The worker's share of the last seconds spent in steps (as last reported)."""
+        return self._busy_ratio
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "device": self.device, "num_threads": self.num_threads, "isolation": self.isolation,
+            "state": self.state, "worker_pid": self.worker_pid, "num_restarts": self.num_restarts,
+            "busy_ratio": self._busy_ratio,
+        }
+
+    @property
+    def worker_pid(self) -> int | None:
+        worker = self._worker
+        return worker.pid if worker is not None and self.state == "ready" else None
+
+    # -- what the remote batchers call ---------------------------------------------------------
+
+    def submit(self, key: BucketKey, request: Request) -> None:
+        """Send ``request`` to the worker for bucket ``key`` (thread-safe, never blocks).
+
+        Raises:
+            SliceUnavailableError: the worker is not ready (starting, restarting, stopped).
+        """
+        request_no = next(self._request_nos)
+        wire = encode_request(request_no, request)
+        with self._lock:
+            worker = self._worker
+            if self.state != "ready" or worker is None:
+                raise SliceUnavailableError(f"the worker process of slice {self.name!r} is {self.state}", RETRY_AFTER_S)
+            self._in_flight[request_no] = _InFlight(key, request)
+            worker.outbox.put(("submit", key, wire))
+
+    def send_settings(self, key: BucketKey, settings: Any) -> None:
+        """Forward new batcher settings of bucket ``key`` (a restart reads them from the config)."""
+        worker = self._worker
+        if worker is not None:
+            worker.outbox.put(("settings", key, settings))
+
+    def fail_bucket(self, key: BucketKey) -> None:
+        """Fail the requests of bucket ``key`` in flight with :class:`ShuttingDownError`; the worker
+        drops them."""
+        error = ShuttingDownError("the bucket stopped before the request finished")
+        for request_no in self._fail(lambda entry: entry.key == key, error):
+            self._send(("cancel", request_no, "cancelled"))
+
+    # -- the worker's life -------------------------------------------------------------------
+
+    def _spawn(self) -> tuple[Any, Connection]:
+        """Start a worker process; return it and the gateway's end of its pipe."""
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        process = context.Process(
+            target=self._target, args=(theirs, *self._worker_args()), name=f"sluice-slice-{self.name}", daemon=True
+        )
+        process.start()
+        theirs.close()  # the worker holds the only other end: its exit is end of file here
+        return process, ours
+
+    def _launch(self) -> _Worker | None:
+        """Start a worker and the threads that talk to it; ``None`` when :meth:`stop` came first
+        (the new process is killed)."""
+        process, conn = self._spawn()
+        worker = _Worker(process, conn)
+        with self._lock:
+            stopped = self._stopping.is_set()
+            if not stopped:
+                self._worker = worker
+        if stopped:
+            process.kill()
+            conn.close()
+            return None
+        worker.reader = threading.Thread(target=self._read, args=(worker,), name=f"slice-{self.name}-reader", daemon=True)
+        worker.reader.start()
+        threading.Thread(target=self._write, args=(worker,), name=f"slice-{self.name}-sender", daemon=True).start()
+        log.info("worker_started", slice=self.name, pid=worker.pid)
+        return worker
+
+    def _restart(self) -> None:
+        delay_s = min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2**self._num_failed_starts)
+        self._num_failed_starts += 1
+        if self._stopping.wait(delay_s):
+            return
+        worker = self._launch()
+        if worker is not None:
+            self._await_ready(worker)
+
+    def _await_ready(self, worker: _Worker) -> bool:
+        """Wait until ``worker`` is ready (``True``), exits or the slice stops (``False``). One not
+        ready within ``start_timeout_s`` is killed (its end of file starts the next try)."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while not worker.ready.wait(0.2):
+            if not worker.process.is_alive() or self._stopping.is_set():
+                return False
+            if time.monotonic() > deadline:
+                log.error("worker_start_timeout", slice=self.name, pid=worker.pid, timeout_s=self.start_timeout_s)
+                worker.process.kill()
+                return False
+        return True
+
+    def _on_exit(self, worker: _Worker) -> None:
+        """The worker's pipe closed: fail its requests and, unless stopping, start a new one."""
+        worker.process.join(5.0)
+        with self._lock:
+            if worker is not self._worker:
+                return
+            was = self.state
+            restart = not self._stopping.is_set() and was in ("ready", "restarting")
+            self.state = "restarting" if restart else "stopped"
+            self._busy_s_before += self._busy_s
+            self._busy_s, self._busy_ratio = 0.0, 0.0
+        worker.outbox.put(None)
+        if self._stopping.is_set():
+            return
+        error = WorkerCrashedError(
+            f"the worker process of slice {self.name!r} exited (code {worker.process.exitcode}) during the request"
+        )
+        failed = self._fail(lambda entry: True, error)
+        log.error("worker_crashed", slice=self.name, pid=worker.pid, exit_code=worker.process.exitcode, state=was, num_failed=len(failed))
+        if restart:
+            threading.Thread(target=self._restart, name=f"slice-{self.name}-restart", daemon=True).start()
+
+    def _fail(self, which: Callable[[_InFlight], bool], error: Exception) -> list[int]:
+        """Take the requests in flight that ``which`` picks and emit ``error`` to each."""
+        with self._lock:
+            picked = [no for no, entry in self._in_flight.items() if which(entry)]
+            entries = [self._in_flight.pop(no) for no in picked]
+        for entry in entries:
+            entry.request.info["outcome"] = "error"
+            entry.request.emit(ErrorEvent(error))
+        return picked
+
+    def _send(self, message: Message) -> None:
+        worker = self._worker
+        if worker is not None:
+            worker.outbox.put(message)
+
+    def _write(self, worker: _Worker) -> None:
+        while (message := worker.outbox.get()) is not None:
+            try:
+                worker.conn.send(message)
+            except (OSError, ValueError):
+                return  # the pipe is gone; the reader sees end of file
+
+    def _read(self, worker: _Worker) -> None:
+        while True:
+            try:
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._dispatch(worker, message)
+            except Exception:  # a bad message must not stop the routing of the others
+                log.exception("worker_message_error", slice=self.name, kind=message[0])
+        self._on_exit(worker)
+
+    def _watch_cancellations(self) -> None:
+        """Forward cancelled requests (client gone, deadline) so the worker frees their blocks."""
+        while not self._stopping.wait(CANCEL_POLL_S):
+            with self._lock:
+                gone = [(no, e.request) for no, e in self._in_flight.items() if e.request.is_cancelled]
+                for no, _ in gone:
+                    del self._in_flight[no]
+            for no, request in gone:
+                self._send(("cancel", no, request.cancel_reason or "cancelled"))
+                request.leave_queue()
+
+    # -- messages from the worker ----------------------------------------------------------
+
+    def _dispatch(self, worker: _Worker, message: Message) -> None:
+        kind = message[0]
+        if kind == "event":
+            self._on_event(*message[1:])
+        elif kind == "dequeued":
+            entry = self._in_flight.get(message[1])
+            if entry is not None:
+                entry.request.timeline.update(message[2])
+                entry.request.leave_queue()
+        elif kind == "batch":
+            batcher = self._batchers.get(message[1])
+            if batcher is not None:
+                batcher.record_batch(*message[2:])
+        elif kind == "stats":
+            for key, fields in message[1].items():
+                if (batcher := self._batchers.get(key)) is not None:
+                    batcher.set_stats(decode_stats(fields))
+            self._busy_s, self._busy_ratio = message[2], message[3]
+        elif kind == "ready":
+            self._on_ready(worker, message[1], message[2])
+
+    def _on_event(self, request_no: int, wire: Message, timeline: dict[str, float], batches: list[Any] | None) -> None:
+        event = decode_event(wire)
+        with self._lock:
+            entry = self._in_flight.pop(request_no, None) if is_final(event) else self._in_flight.get(request_no)
+        if entry is None:
+            return  # cancelled here already
+        request = entry.request
+        request.timeline.update(timeline)
+        if batches is not None:
+            request.batches[:] = [tuple(b) for b in batches]
+        request.emit(event)
+
+    def _on_ready(self, worker: _Worker, pid: int, backend_info: dict[BucketKey, dict[str, Any]]) -> None:
+        for key, info in backend_info.items():
+            if (batcher := self._batchers.get(key)) is not None:
+                batcher.backend_info.update(info)
+        with self._lock:
+            if worker is not self._worker:
+                return
+            restarted = self.state == "restarting"
+            self.state = "ready"
+            worker.pid = pid
+            self._num_failed_starts = 0
+            self.num_restarts += restarted
+        worker.ready.set()
+        if restarted:
+            log.info("worker_restarted", slice=self.name, pid=pid, num_restarts=self.num_restarts)

@@ -1,0 +1,140 @@
+"""The worker process's side of a process slice: serves its real batchers over the pipe.
+
+The gateway's :class:`~buckets.process_slice.ProcessSlice` sends requests, cancellations and
+settings; this host rebuilds each request with a sink that sends its events back, submits it
+to the bucket's real batcher on the worker's thread :class:`~buckets.device_slice.DeviceSlice`,
+and pushes the batchers' stats snapshots (every ``stats_interval_s`` while they change, and
+once a second regardless, for the slice's busy ratio). Messages: :mod:`buckets.slice_messages`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import structlog
+
+from buckets.batcher import Batcher
+from buckets.device_slice import DeviceSlice
+from buckets.errors import BatchFailedError
+from buckets.request import ErrorEvent, Request, RequestEvent
+from buckets.slice_messages import BucketKey, Message, decode_request, encode_event, encode_stats, is_final
+
+log = structlog.get_logger(__name__)
+
+STATS_INTERVAL_S = 0.05
+STATS_REFRESH_S = 1.0
+
+
+class SliceHost:
+    """Serves ``batchers`` (keyed by ``(model name, bucket name)``, attached to ``device_slice``
+    and started) to the gateway at the other end of ``conn``.
+
+    Call :meth:`serve` on the process's main thread; it returns when the gateway says stop or
+    its end of the pipe closes. Then stop the slice (which fails what is queued: those events
+    still go out) and call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        device_slice: DeviceSlice,
+        batchers: dict[BucketKey, Batcher],
+        backend_info: dict[BucketKey, dict[str, Any]],
+        stats_interval_s: float = STATS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.conn = conn
+        self.device_slice = device_slice
+        self.batchers = batchers
+        self.backend_info = backend_info
+        self.stats_interval_s = stats_interval_s
+        self.clock = clock
+        self._requests: dict[int, Request] = {}
+        self._outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._sender = threading.Thread(target=self._write, name="slice-host-sender", daemon=True)
+        self._stats = threading.Thread(target=self._push_stats, name="slice-host-stats", daemon=True)
+
+    def serve(self) -> None:
+        """Announce readiness, then handle the gateway's messages until stop or end of file."""
+        for key, batcher in self.batchers.items():
+            batcher.add_batch_observer(lambda n, t, p, key=key: self._outbox.put(("batch", key, n, t, p)))
+        self._sender.start()
+        self._outbox.put(("ready", os.getpid(), self.backend_info))
+        self._stats.start()
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if message[0] == "stop":
+                return
+            try:
+                self._handle(message)
+            except Exception:  # one bad message must not take the worker down
+                log.exception("slice_host_message_error", kind=message[0])
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send the last stats and events, then stop the sender."""
+        self._closed.set()
+        self._stats.join(timeout_s)
+        self._outbox.put(None)
+        self._sender.join(timeout_s)
+
+    def _handle(self, message: Message) -> None:
+        kind = message[0]
+        if kind == "submit":
+            self._submit(message[1], message[2])
+        elif kind == "cancel":
+            request = self._requests.pop(message[1], None)
+            if request is not None:
+                request.cancel(message[2])
+        elif kind == "settings":
+            self.batchers[message[1]].update_settings(message[2])
+        self.device_slice.notify()
+
+    def _submit(self, key: BucketKey, wire: dict[str, Any]) -> None:
+        request_no = wire["request_no"]
+        request = decode_request(wire, lambda event: self._emit(request_no, request, event))
+        request.on_dequeue = lambda: self._outbox.put(("dequeued", request_no, dict(request.timeline)))
+        batcher = self.batchers.get(key)
+        if batcher is None:
+            request.emit(ErrorEvent(BatchFailedError(f"no bucket {key} in this worker")))
+            return
+        self._requests[request_no] = request
+        batcher.submit(request)
+
+    def _emit(self, request_no: int, request: Request, event: RequestEvent) -> None:
+        """The sink of a worker-side request (the slice's worker thread): queue the event with the
+        request's timeline; a final event also carries its batches."""
+        batches = None
+        if is_final(event):
+            request.timeline.setdefault("finished", self.clock())
+            self._requests.pop(request_no, None)
+            batches = list(request.batches)
+        self._outbox.put(("event", request_no, encode_event(event), dict(request.timeline), batches))
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError):
+                return  # the gateway is gone
+
+    def _push_stats(self) -> None:
+        last: dict[BucketKey, dict[str, Any]] = {}
+        last_sent = 0.0
+        while True:
+            closing = self._closed.wait(self.stats_interval_s)
+            snapshot = {key: encode_stats(b.stats()) for key, b in self.batchers.items()}
+            now = self.clock()
+            if closing or snapshot != last or now - last_sent >= STATS_REFRESH_S:
+                self._outbox.put(("stats", snapshot, self.device_slice.busy_s, self.device_slice.busy_ratio()))
+                last, last_sent = snapshot, now
+            if closing:
+                return

@@ -1,0 +1,352 @@
+"""Process slices without processes: the wire messages, the gateway's ProcessSlice against a
+fake worker on a thread (crash, restart, cancellation, stats), and the worker's SliceHost
+against a real dynamic batcher on a thread slice."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+import pytest
+
+from buckets import process_slice as process_slice_module
+from buckets.device_slice import DeviceSlice
+from buckets.dynamic import DynamicBatcher
+from buckets.errors import (
+    BatchFailedError,
+    DeadlineExceededError,
+    QueueFullError,
+    ShuttingDownError,
+    SliceUnavailableError,
+    WorkerCrashedError,
+)
+from buckets.process_slice import ProcessSlice
+from buckets.remote_batcher import RemoteBatcher
+from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, GenerationRequest, RequestEvent, TokenEvent
+from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
+from buckets.slice_host import SliceHost
+from buckets.slice_messages import (
+    decode_error,
+    decode_event,
+    decode_request,
+    decode_stats,
+    encode_event,
+    encode_request,
+    encode_stats,
+)
+from buckets.stats import Counters
+from models.step_io import SamplingParams
+
+KEY = ("model-a", "le16")
+TIMEOUT_S = 10.0
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+    return value
+
+
+# -- messages -------------------------------------------------------------------------------
+
+
+def test_a_generation_request_crosses_whole() -> None:
+    params = SamplingParams(temperature=0.5, top_p=0.9, top_k=4, seed=7)
+    request = GenerationRequest(
+        "cmpl-1", [1, 2, 3], sink=lambda e: None, priority=-2, deadline_s=123.5, max_tokens=9, params=params,
+        stop=("\n", "END"), ignore_eos=True,
+    )
+    request.timeline["arrival"] = 100.0
+    request.info["bucket"] = "le16"
+    wire = encode_request(4, request)
+    events: list[RequestEvent] = []
+    copy = decode_request(multiprocessing.reduction.ForkingPickler.loads(multiprocessing.reduction.ForkingPickler.dumps(wire)), events.append)
+    assert isinstance(copy, GenerationRequest)
+    assert wire["request_no"] == 4
+    assert (copy.request_id, copy.prompt_token_ids, copy.priority, copy.deadline_s) == ("cmpl-1", [1, 2, 3], -2, 123.5)
+    assert (copy.max_tokens, copy.params, copy.stop, copy.ignore_eos) == (9, params, ("\n", "END"), True)
+    assert copy.timeline == {"arrival": 100.0} and copy.info == {"bucket": "le16"}
+    copy.emit(TokenEvent("a", [5], None, 3, 1))
+    assert events == [TokenEvent("a", [5], None, 3, 1)]
+
+
+def test_an_embedding_request_crosses_whole() -> None:
+    request = EmbeddingRequest("emb-1", [7, 8], sink=lambda e: None)
+    copy = decode_request(encode_request(0, request), lambda e: None)
+    assert isinstance(copy, EmbeddingRequest) and not isinstance(copy, GenerationRequest)
+    assert copy.prompt_token_ids == [7, 8] and copy.deadline_s is None
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        TokenEvent("hi", [1, 2], "stop", 4, 2),
+        TokenEvent("", [], None, 4, 0),
+        EmbeddingEvent([0.25, -1.0], 3),
+    ],
+)
+def test_events_round_trip(event: RequestEvent) -> None:
+    assert decode_event(encode_event(event)) == event
+
+
+def test_errors_come_back_as_their_class_or_a_batch_failure() -> None:
+    back = decode_event(encode_event(ErrorEvent(DeadlineExceededError("too late"))))
+    assert isinstance(back, ErrorEvent) and type(back.error) is DeadlineExceededError and str(back.error) == "too late"
+    assert type(decode_error("WorkerCrashedError", "gone")) is WorkerCrashedError
+    odd = decode_error("ZeroDivisionError", "division by zero")
+    assert type(odd) is BatchFailedError and "ZeroDivisionError: division by zero" in str(odd)
+    assert type(decode_error(QueueFullError.__name__, "full")) is BatchFailedError  # needs more than a message
+
+
+def test_stats_round_trip() -> None:
+    stats = Counters(num_steps=3, num_finished=2).snapshot("continuous", 1, 2, kv_blocks_total=10, kv_blocks_used=4)
+    assert decode_stats(encode_stats(stats)) == stats
+
+
+# -- ProcessSlice against a fake worker ----------------------------------------------------------
+
+
+class FakeProcess:
+    """A thread standing in for a worker process: answers ``ready``, embeds prompts whose first
+    token is not 0 at once (the embedding is ``[len(prompt)]``), holds the others, records
+    cancellations; :meth:`crash` closes its pipe as a dying process would."""
+
+    def __init__(self, conn: Any, pid: int, is_ready: bool = True):
+        self.conn = conn
+        self.pid = pid
+        self.is_ready = is_ready
+        self.exitcode: int | None = None
+        self.received: list[tuple[Any, ...]] = []
+        self._crash = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.is_ready:
+            self.conn.send(("ready", self.pid, {KEY: {"running": "eager"}}))
+        while not self._crash.is_set():
+            if not self.conn.poll(0.005):
+                continue
+            message = self.conn.recv()
+            self.received.append(message)
+            if message[0] == "stop":
+                break
+            if message[0] == "submit" and message[2]["prompt_token_ids"][0] != 0:
+                wire = message[2]
+                self.conn.send(("dequeued", wire["request_no"], {"started": 5.0}))
+                event = encode_event(EmbeddingEvent([float(len(wire["prompt_token_ids"]))], len(wire["prompt_token_ids"])))
+                self.conn.send(("event", wire["request_no"], event, {"started": 5.0, "first_token": 6.0}, [(0, 0)]))
+        self.exitcode = -9 if self._crash.is_set() else 0
+        self.conn.close()
+
+    def crash(self) -> None:
+        self._crash.set()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    def kill(self) -> None:
+        self.crash()
+
+
+class FakeProcessSlice(ProcessSlice):
+    """Its workers are :class:`FakeProcess` threads; ``never_ready`` numbers those (from 0) that
+    never say ready."""
+
+    def __init__(self, never_ready: tuple[int, ...] = (), start_timeout_s: float = TIMEOUT_S) -> None:
+        super().__init__("cpu-p", "cpu", 1, target=print, worker_args=lambda: (), start_timeout_s=start_timeout_s)
+        self.processes: list[FakeProcess] = []
+        self.never_ready = never_ready
+
+    def _spawn(self) -> tuple[Any, Any]:
+        ours, theirs = multiprocessing.Pipe()
+        number = len(self.processes)
+        self.processes.append(FakeProcess(theirs, 1000 + number, is_ready=number not in self.never_ready))
+        return self.processes[-1], ours
+
+
+@pytest.fixture
+def fake_slice() -> Any:
+    device_slice = FakeProcessSlice()
+    batcher = RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0))
+    device_slice.attach(batcher)
+    device_slice.start()
+    yield device_slice, batcher
+    device_slice.stop(timeout_s=2.0)
+
+
+def make_request(first_token: int, events: list[RequestEvent]) -> EmbeddingRequest:
+    request = EmbeddingRequest(f"emb-{first_token}", [first_token, 1, 2], sink=events.append)
+    request.timeline["arrival"] = 1.0
+    return request
+
+
+def test_a_request_goes_to_the_worker_and_its_event_comes_back(fake_slice: Any) -> None:
+    device_slice, batcher = fake_slice
+    assert device_slice.state == "ready" and device_slice.worker_pid == 1000
+    assert batcher.backend_info == {"running": "eager"}
+    events: list[RequestEvent] = []
+    dequeued: list[bool] = []
+    request = make_request(1, events)
+    request.on_dequeue = lambda: dequeued.append(True)
+    batcher.submit(request)
+    wait_for(lambda: events)
+    assert events == [EmbeddingEvent([3.0], 3)]
+    assert request.timeline == {"arrival": 1.0, "started": 5.0, "first_token": 6.0}
+    assert request.batches == [(0, 0)] and dequeued == [True]
+    assert not device_slice._in_flight
+
+
+def test_a_cancelled_request_is_forwarded_and_leaves_its_queue(fake_slice: Any) -> None:
+    device_slice, batcher = fake_slice
+    dequeued: list[bool] = []
+    request = make_request(0, [])
+    request.on_dequeue = lambda: dequeued.append(True)
+    batcher.submit(request)
+    request.cancel("timeout")
+    process = device_slice.processes[0]
+    cancel = wait_for(lambda: [m for m in process.received if m[0] == "cancel"])
+    assert cancel[0][2] == "timeout" and dequeued == [True]
+    assert not device_slice._in_flight
+
+
+def test_a_crash_fails_requests_in_flight_refuses_new_ones_and_restarts(fake_slice: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(process_slice_module, "RESTART_BACKOFF_S", 1.0)
+    device_slice, batcher = fake_slice
+    events: list[RequestEvent] = []
+    batcher.submit(make_request(0, events))
+    batcher.submit(make_request(0, events))
+    wait_for(lambda: len(device_slice.processes[0].received) == 2)
+    device_slice.processes[0].crash()
+    wait_for(lambda: len(events) == 2)
+    assert all(isinstance(e, ErrorEvent) and isinstance(e.error, WorkerCrashedError) for e in events)
+    assert device_slice.state == "restarting" and device_slice.worker_pid is None
+    with pytest.raises(SliceUnavailableError):
+        batcher.submit(make_request(1, []))
+    wait_for(lambda: device_slice.state == "ready")
+    assert device_slice.num_restarts == 1 and device_slice.worker_pid == 1001
+    served: list[RequestEvent] = []
+    batcher.submit(make_request(2, served))
+    wait_for(lambda: served)
+    assert isinstance(served[0], EmbeddingEvent)
+
+
+def test_stats_and_batches_pushed_by_the_worker_show_here(fake_slice: Any) -> None:
+    device_slice, batcher = fake_slice
+    seen: list[tuple[int, int, int]] = []
+    batcher.add_batch_observer(lambda *args: seen.append(args))
+    stats = Counters(num_steps=4).snapshot("dynamic", 2, 0)
+    device_slice.processes[0].conn.send(("stats", {KEY: asdict(stats)}, 1.5, 0.25))
+    device_slice.processes[0].conn.send(("batch", KEY, 2, 10, 1))
+    wait_for(lambda: seen)
+    assert batcher.stats() == stats and seen == [(2, 10, 1)]
+    assert device_slice.busy_s == 1.5 and device_slice.busy_ratio() == 0.25
+
+
+def test_stop_fails_what_is_in_flight(fake_slice: Any) -> None:
+    device_slice, batcher = fake_slice
+    events: list[RequestEvent] = []
+    batcher.submit(make_request(0, events))
+    device_slice.stop(timeout_s=2.0)
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent) and isinstance(events[0].error, ShuttingDownError)
+    assert device_slice.state == "stopped"
+    assert ("stop",) in device_slice.processes[0].received
+
+
+def test_a_continuous_bucket_refuses_a_new_block_size() -> None:
+    device_slice = FakeProcessSlice()
+    batcher = RemoteBatcher(KEY, "continuous", device_slice, ContinuousBatcherSettings(8, 64, block_size=16))
+    with pytest.raises(ValueError, match="block_size"):
+        batcher.update_settings(ContinuousBatcherSettings(8, 64, block_size=32))
+    batcher.update_settings(ContinuousBatcherSettings(4, 64, block_size=16))
+    assert batcher.settings.max_num_seqs == 4
+
+
+# -- SliceHost with a real dynamic batcher ---------------------------------------------------
+
+
+class Rows(list):  # type: ignore[type-arg]
+    def tolist(self) -> list[list[float]]:
+        return list(self)
+
+
+class LengthRunner:
+    def embed(self, batch: list[list[int]]) -> tuple[Rows, int]:
+        return Rows([[float(len(ids))] for ids in batch]), 0
+
+
+def test_the_host_serves_a_batcher_over_the_pipe() -> None:
+    device_slice = DeviceSlice("cpu-w", "cpu", 1)
+    batcher = DynamicBatcher(LengthRunner(), DynamicBatcherSettings(4, 0.0))
+    device_slice.attach(batcher)
+    device_slice.start()
+    ours, theirs = multiprocessing.Pipe()
+    host = SliceHost(theirs, device_slice, {KEY: batcher}, {KEY: {"running": "eager"}}, stats_interval_s=0.01)
+    serving = threading.Thread(target=host.serve, daemon=True)
+    serving.start()
+    try:
+        assert ours.recv()[0] == "ready"
+        request = make_request(3, [])
+        ours.send(("submit", KEY, encode_request(11, request)))
+        got: dict[str, Any] = {}
+        while "event" not in got or "batch" not in got:
+            message = ours.recv()
+            got.setdefault(message[0], message)
+        assert got["dequeued"][1] == 11
+        _, request_no, wire, timeline, batches = got["event"]
+        assert request_no == 11 and decode_event(wire) == EmbeddingEvent([3.0], 3)
+        assert {"arrival", "enqueued", "started", "first_token", "finished"} <= set(timeline)
+        assert batches == [(0, 0)] and got["batch"][1:] == (KEY, 1, 3, 0)
+        while True:
+            message = ours.recv()
+            if message[0] == "stats" and message[1][KEY]["num_finished"] == 1:
+                break
+    finally:
+        ours.send(("stop",))
+        serving.join(TIMEOUT_S)
+        device_slice.stop()
+        host.close()
+    assert not serving.is_alive()
+
+
+def test_a_worker_that_never_gets_ready_is_killed_and_another_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(process_slice_module, "RESTART_BACKOFF_S", 0.01)
+    device_slice = FakeProcessSlice(never_ready=(1,), start_timeout_s=0.5)
+    device_slice.attach(RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0)))
+    device_slice.start()
+    try:
+        device_slice.processes[0].crash()
+        wait_for(lambda: device_slice.num_restarts == 1)
+        assert device_slice.state == "ready" and device_slice.worker_pid == 1002
+        assert not device_slice.processes[1].is_alive()
+    finally:
+        device_slice.stop(timeout_s=2.0)
+
+
+def test_stop_during_a_restart_starts_no_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(process_slice_module, "RESTART_BACKOFF_S", 0.5)
+    device_slice = FakeProcessSlice()
+    device_slice.attach(RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0)))
+    device_slice.start()
+    device_slice.processes[0].crash()
+    wait_for(lambda: device_slice.state == "restarting")
+    device_slice.stop(timeout_s=2.0)
+    time.sleep(1.0)
+    assert len(device_slice.processes) == 1 and device_slice.state == "stopped"
+
+
+def test_a_first_worker_that_dies_fails_the_start() -> None:
+    device_slice = FakeProcessSlice(never_ready=(0,), start_timeout_s=0.3)
+    device_slice.attach(RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0)))
+    with pytest.raises(RuntimeError, match="did not start"):
+        device_slice.start()
+    assert device_slice.state == "stopped" and len(device_slice.processes) == 1

@@ -1,0 +1,76 @@
+"""gateway.slice_worker and the HTTP side of process slices, without processes: the worker's cut
+of the config keeps each bucket's KV share, the engine builds the slice each config asks for,
+and a dead or restarting worker is a 503 with Retry-After."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from buckets.device_slice import DeviceSlice
+from buckets.errors import BatchFailedError, SliceUnavailableError, WorkerCrashedError
+from buckets.process_slice import ProcessSlice
+from gateway.config import GatewayConfig, parse_config
+from gateway.engine import split_kv_memory
+from gateway.errors import slice_unavailable
+from gateway.routes.generation import core_failure
+from gateway.slice_worker import make_slice, worker_config
+
+
+def two_slice_config() -> GatewayConfig:
+    continuous = {"kind": "continuous", "max_num_batched_tokens": 64}
+    return parse_config({
+        "slices": [
+            {"name": "proc", "num_threads": 2, "kv_cache_memory_bytes": "64MiB", "isolation": "process"},
+            {"name": "thr", "kv_cache_memory_bytes": "32MiB"},
+        ],
+        "models": [
+            {"name": "gen", "source": "/models/gen", "task": "generate", "max_model_len": 128, "buckets": [
+                {"max_input_tokens": 32, "batcher": continuous, "slice": "thr"},
+                {"max_input_tokens": 64, "batcher": {**continuous, "kv_cache_memory_fraction": 0.25}, "slice": "proc"},
+                {"max_input_tokens": 96, "batcher": continuous, "slice": "proc"},
+            ]},
+            {"name": "emb", "source": "/models/emb", "task": "embed", "max_model_len": 64, "buckets": [
+                {"max_input_tokens": 16, "batcher": {"kind": "dynamic"}, "slice": "thr"},
+            ]},
+        ],
+    })
+
+
+def budgets(config: GatewayConfig) -> dict[str, int]:
+    return {s.name: int(s.kv_cache_memory_bytes or 0) for s in config.slices}
+
+
+def test_the_worker_config_holds_its_slice_and_its_buckets_alone() -> None:
+    config = two_slice_config()
+    cut = worker_config(config, "proc")
+    assert [(s.name, s.isolation, s.num_threads) for s in cut.slices] == [("proc", "thread", 2)]
+    assert [m.name for m in cut.models] == ["gen"]
+    assert [b.bucket_name for b in cut.models[0].buckets] == ["le64", "le96"]
+    whole = split_kv_memory(config, budgets(config))
+    assert split_kv_memory(cut, budgets(cut)) == {k: v for k, v in whole.items() if k[1] in ("le64", "le96")}
+
+
+def test_each_slice_gets_the_worker_its_isolation_names() -> None:
+    config = two_slice_config()
+    engine: Any = SimpleNamespace(config=config)
+    process = make_slice(config.slices[0], engine)
+    thread = make_slice(config.slices[1], engine)
+    assert isinstance(process, ProcessSlice) and process.isolation == "process" and process.num_threads == 2
+    assert isinstance(thread, DeviceSlice) and thread.isolation == "thread"
+    config_data, slice_name, level = process._worker_args()
+    assert slice_name == "proc" and GatewayConfig.model_validate(config_data) == config and isinstance(level, str)
+
+
+def test_a_crashed_worker_is_a_503_with_retry_after_and_other_failures_a_500() -> None:
+    crashed = core_failure(WorkerCrashedError("the worker process of slice 'proc' exited (code -9)"))
+    assert (crashed.status_code, crashed.code) == (503, "worker_crashed") and int(crashed.headers["Retry-After"]) >= 1
+    assert "exited (code -9)" in crashed.message
+    failed = core_failure(BatchFailedError("forward failed"))
+    assert (failed.status_code, failed.type) == (500, "server_error")
+    restarting = slice_unavailable("gen", "le64", SliceUnavailableError("the worker process of slice 'proc' is restarting", 5))
+    assert (restarting.status_code, restarting.code, restarting.headers) == (503, "slice_unavailable", {"Retry-After": "5"})
+
+
+def test_isolation_defaults_to_thread() -> None:
+    assert two_slice_config().slices[1].isolation == "thread"
