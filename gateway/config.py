@@ -15,7 +15,8 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, mo
 
 from gateway.errors import ConfigError
 
-DEVICE_PATTERN = r"^(cpu|cuda:\d+)$"
+# cpu, cuda:N, or a MIG instance's UUID (as nvidia-smi -L prints it; process slices only).
+DEVICE_PATTERN = r"^(cpu|cuda:\d+|MIG-[0-9A-Fa-f-]+)$"
 
 
 class _Strict(BaseModel):
@@ -44,6 +45,11 @@ class SliceConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_budget(self) -> "SliceConfig":
+        if self.device.startswith("MIG-"):
+            if self.isolation != "process":
+                raise ValueError("isolation: a MIG instance is reached through CUDA_VISIBLE_DEVICES of a worker process; set isolation: process")
+            if self.kv_cache_memory_bytes is None:
+                raise ValueError("kv_cache_memory_bytes: set it for a MIG slice (its memory is not probed from the gateway)")
         if self.memory_budget_bytes is not None and self.kv_cache_memory_bytes is not None:
             if self.kv_cache_memory_bytes > self.memory_budget_bytes:
                 raise ValueError(

@@ -321,7 +321,10 @@ class Engine:
             ConfigError: its weights and KV pools do not fit a slice's ``memory_budget_bytes``
                 (the model is dropped again).
         """
-        device = self.slices[config.buckets[0].slice].device
+        first_slice = self.slices[config.buckets[0].slice]
+        # A process slice's worker holds the weights it runs; the gateway's copy (for the
+        # tokenizer and the KV geometry) stays on the CPU.
+        device = "cpu" if isinstance(first_slice, ProcessSlice) else first_slice.device
         loaded = load_model(config.name, config.source, config.task, config.dtype, device, self.cache_dir)
         log.info("model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3))
         weights = {**self.weight_bytes, config.name: weight_bytes(loaded.model)}

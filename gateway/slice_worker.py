@@ -10,6 +10,7 @@ buckets; the worker loads its models and builds their runners, KV pools and batc
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,8 @@ def worker_config(config: GatewayConfig, slice_name: str) -> GatewayConfig:
     slice of the worker) and the models with buckets on it, with those buckets alone. Each
     bucket's share of the slice's KV memory stays what it is in the whole config."""
     the_slice = next(s for s in config.slices if s.name == slice_name)
+    if the_slice.device.startswith("MIG-"):  # the worker sees only its MIG instance, as cuda:0
+        the_slice = the_slice.model_copy(update={"device": "cuda:0"})
     models = []
     for model in config.models:
         buckets = [b for b in model.buckets if b.slice == slice_name]
@@ -94,6 +97,9 @@ def run_slice_worker(conn: Connection, config_data: dict[str, Any], slice_name: 
     from gateway.logging import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group; the gateway stops us
+    device = next(s["device"] for s in config_data["slices"] if s["name"] == slice_name)
+    if device.startswith("MIG-"):  # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
     configure_logging(log_level)
     structlog.contextvars.bind_contextvars(slice_worker=slice_name)
     engine = Engine(worker_config(GatewayConfig.model_validate(config_data), slice_name))

@@ -74,3 +74,20 @@ def test_a_crashed_worker_is_a_503_with_retry_after_and_other_failures_a_500() -
 
 def test_isolation_defaults_to_thread() -> None:
     assert two_slice_config().slices[1].isolation == "thread"
+
+
+def test_a_mig_slice_needs_process_isolation_and_a_kv_budget_and_its_worker_sees_cuda_0() -> None:
+    from gateway.config import parse_config
+    from gateway.slice_worker import worker_config
+    from tests.unit.test_config import config_error, make_config_data
+
+    uuid = "MIG-4f2c9a1e-0b3d-5e6f-8a9b-0c1d2e3f4a5b"
+    data = make_config_data()
+    data["slices"][0].update(device=uuid, isolation="thread", kv_cache_memory_bytes="1GiB")
+    assert "set isolation: process" in config_error(data)
+    data["slices"][0].update(isolation="process", kv_cache_memory_bytes=None)
+    assert "kv_cache_memory_bytes: set it for a MIG slice" in config_error(data)
+    data["slices"][0]["kv_cache_memory_bytes"] = "1GiB"
+    config = parse_config(data)
+    assert config.slices[0].device == uuid
+    assert worker_config(config, "cpu0").slices[0].device == "cuda:0"
