@@ -331,7 +331,7 @@ class Engine:
         try:
             check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, weights)
         except ConfigError:
-            del loaded
+            loaded = None  # type: ignore[assignment]  # drop the weights: the traceback keeps this frame
             release_memory()
             raise
         self.weight_bytes = weights
@@ -354,8 +354,6 @@ class Engine:
         batcher: ContinuousBatcher | DynamicBatcher
         info: dict[str, Any] = {"configured": config.backend}
         if isinstance(config.batcher, ContinuousBatcherConfig):
-            from models.causal_lm import CausalLMRunner
-
             knobs = config.batcher
             settings = continuous_settings(knobs)
             num_blocks = kv_num_blocks(model, loaded, config, self.kv_memory_bytes)
@@ -423,12 +421,7 @@ class Engine:
             return eager
         log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
         info["running"] = label
-
-        def on_fallback(name: str, exc: Exception) -> None:
-            log.error("backend_failed", **fields, error=f"{type(exc).__name__}: {exc}", running="eager")
-            info.update(running="eager", error=f"{type(exc).__name__}: {exc}")
-
-        return FallbackEncoder(backend, eager, on_fallback)
+        return FallbackEncoder(backend, eager, self._on_fallback(fields, info))
 
     def _causal_lm_runner(
         self, loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any]
@@ -452,4 +445,16 @@ class Engine:
             return CausalLMRunner(loaded.model, num_blocks, block_size)
         log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
         info["running"] = label
+        runner.on_fallback = self._on_fallback(fields, info)
         return runner
+
+    @staticmethod
+    def _on_fallback(fields: dict[str, str], info: dict[str, Any]) -> Callable[[str, Exception], None]:
+        """What a backend calls once when it fails while serving and eager takes over: log it
+        and show the bucket running eager."""
+
+        def on_fallback(name: str, exc: Exception) -> None:
+            log.error("backend_failed", **fields, error=f"{type(exc).__name__}: {exc}", running="eager")
+            info.update(running="eager", error=f"{type(exc).__name__}: {exc}")
+
+        return on_fallback

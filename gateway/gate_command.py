@@ -86,7 +86,7 @@ def _with_overrides(config: GatewayConfig, args: argparse.Namespace) -> GatewayC
 
 def format_record(record: dict[str, Any]) -> str:
     """A gate record as a table: per candidate, per shape latencies and ratio, accuracy, verdict."""
-    shapes = [_shape_label(s) for s in record["key"]["shapes"]]
+    shapes = [_shape_label(s, record["key"]["kind"]) for s in record["key"]["shapes"]]
     verdicts = {v["backend"]: v for v in record["verdicts"]}
     lines = [f"\ngate {record['model']} / {record['bucket']} ({record['key']['machine'].get('cpu', '?')}, "
              f"{record['key']['machine']['num_threads']} threads; medians of {record['repeats']} interleaved runs)"]
@@ -102,9 +102,9 @@ def format_record(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _shape_label(shape: Any) -> str:
-    if isinstance(shape, list):
+def _shape_label(shape: list[int], kind: str) -> str:
+    if kind == "dynamic":
         return f"batch {shape[0]} x {shape[1]} tokens"
-    if shape["step"] == "prefill":
-        return f"prefill {shape['num_tokens']} tokens"
-    return f"decode {shape['num_seqs']} seqs @ {shape['context_tokens']}"
+    if shape[1] > 1:
+        return f"prefill {shape[1]} tokens"
+    return f"decode {shape[0]} seqs"

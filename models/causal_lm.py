@@ -7,15 +7,18 @@ it which sequences run, with which blocks, and which were released.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from models.attention import PackedStep, PrefillSegment
+from models.backends import BackendUnavailableError
 from models.kv_cache import KVShape, PagedKVCache
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
-from models.step_io import ForwardInput, ForwardOutput, SequenceInput
+from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput
 
 
 class CausalLMRunner:
@@ -25,11 +28,19 @@ class CausalLMRunner:
         model: the decoder (Llama family: Llama, Qwen2, Mistral, SmolLM2, ...).
         num_blocks: blocks in the KV pool (see :meth:`KVShape.num_blocks_for`).
         block_size: tokens per block.
+        backend: ``"eager"`` (the module as loaded) or ``"compiled"`` (``torch.compile`` of the
+            decoder forward, prefill and decode apart; see :mod:`models.backends.compiled`).
 
-    Called only from the bucket's worker thread, once per step, through :meth:`run`.
+    Raises:
+        ValueError: an unknown ``backend``.
+
+    Called only from the bucket's worker thread: :meth:`warm_up` once at start, then once per
+    step through :meth:`run`.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int):
+    def __init__(self, model: Any, num_blocks: int, block_size: int, backend: str = "eager"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
@@ -42,6 +53,11 @@ class CausalLMRunner:
         self._generators: dict[int, torch.Generator] = {}
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         self._dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        self.backend = backend
+        self._compiled = BACKENDS[backend](self)
+        # Called once as ``on_fallback("compiled", error)`` when a compiled step fails and the
+        # runner goes on eager (the gateway logs it and shows the bucket running eager).
+        self.on_fallback: Callable[[str, Exception], None] | None = None
 
     @property
     def num_live_sequences(self) -> int:
@@ -74,6 +90,36 @@ class CausalLMRunner:
         tokens = sample(logits, [s.params for s in sampling], generators)
         return ForwardOutput(sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)})
 
+    def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
+        """Run the forward once at each step shape so no request pays for compilation; returns
+        the seconds it took.
+
+        A shape ``(num_sequences, num_tokens)`` is a step of ``num_sequences`` decodes when
+        ``num_tokens`` is 1, else of ``num_sequences`` prompts of ``num_tokens`` tokens. With the
+        compiled backend, include ``(1, 1)``, ``(n, 1)`` for some ``n > 1`` and one prefill to
+        compile every graph. The steps write K/V into the pool's first blocks, whose contents
+        are put back afterwards; no sampler state is created.
+
+        Raises:
+            BackendUnavailableError: the compiled backend failed to compile or run.
+        """
+        block_size = self.kv_cache.block_size
+        num_blocks = min(self.kv_cache.num_blocks, max((_blocks_for(s, block_size) for s in shapes), default=1))
+        blocks = torch.arange(num_blocks, device=self.device)
+        saved = self.kv_cache.data[:, :, blocks].clone()
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for shape in shapes:
+                    self._forward(_scratch_step(shape, blocks.tolist(), block_size))
+        except Exception as exc:  # noqa: BLE001 - a compile failure of any kind means eager
+            if self._compiled is None:
+                raise
+            raise BackendUnavailableError(f"torch.compile of the decoder failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.kv_cache.data[:, :, blocks] = saved
+        return time.perf_counter() - started
+
     def _forward(self, sequences: list[SequenceInput]) -> torch.Tensor:
         """The decoder's last hidden states for the packed tokens: ``[1, T, hidden_size]``."""
         token_ids: list[int] = []
@@ -81,12 +127,18 @@ class CausalLMRunner:
         for seq in sequences:
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.position, seq.position + len(seq.token_ids)))
+        input_ids = torch.tensor([token_ids], device=self.device)
+        position_ids = torch.tensor([positions], device=self.device)
+        step = self._packed_step(sequences)
+        if self._compiled is not None:
+            try:
+                return self._compiled(input_ids, position_ids, step)
+            except Exception as exc:  # a compiled forward that fails: eager from now on (slots rewrite alike)
+                self._compiled, self.backend = None, "eager"
+                if self.on_fallback is not None:
+                    self.on_fallback("compiled", exc)
         out = self.decoder(
-            input_ids=torch.tensor([token_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            attention_mask=self._dummy_mask,
-            use_cache=False,
-            sluice_step=self._packed_step(sequences),
+            input_ids=input_ids, position_ids=position_ids, attention_mask=self._dummy_mask, use_cache=False, sluice_step=step
         )
         return out.last_hidden_state
 
@@ -123,3 +175,41 @@ class CausalLMRunner:
         if generator is None:
             generator = self._generators[seq.seq_id] = make_generator(seq.params, self.device)
         return generator
+
+
+def _compiled_decoder(runner: CausalLMRunner) -> Any:
+    from models.backends.compiled import CompiledDecoder
+
+    return CompiledDecoder(runner.decoder, runner.kv_cache, runner._dummy_mask)
+
+
+# backend name -> factory of the compiled forward (None: call the decoder as loaded).
+BACKENDS: dict[str, Callable[[CausalLMRunner], Any]] = {"eager": lambda runner: None, "compiled": _compiled_decoder}
+
+# A decode in a warm-up step sits at this position: its context spans two blocks.
+_WARM_UP_DECODE_BLOCKS = 2
+
+
+def _blocks_for(shape: tuple[int, int], block_size: int) -> int:
+    num_sequences, num_tokens = shape
+    per_sequence = _WARM_UP_DECODE_BLOCKS if num_tokens == 1 else -(-num_tokens // block_size)
+    return num_sequences * per_sequence
+
+
+def _scratch_step(shape: tuple[int, int], blocks: list[int], block_size: int) -> list[SequenceInput]:
+    """The sequences of a warm-up step of ``shape`` (see :meth:`CausalLMRunner.warm_up`), their
+    tables drawn in turn from ``blocks`` (shared when there are too few: the K/V are garbage)."""
+    num_sequences, num_tokens = shape
+    per_sequence = _blocks_for((1, num_tokens), block_size)
+    position = block_size if num_tokens == 1 else 0
+    return [
+        SequenceInput(
+            seq_id=i,
+            token_ids=[0] * num_tokens,
+            position=position,
+            block_table=[blocks[(i * per_sequence + j) % len(blocks)] for j in range(per_sequence)],
+            do_sample=False,
+            params=SamplingParams(temperature=0.0),
+        )
+        for i in range(num_sequences)
+    ]
