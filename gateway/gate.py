@@ -265,7 +265,7 @@ def _token_ids(loaded: LoadedModel, length: int) -> Any:
     import torch
 
     text = " ".join(GATE_TEXTS)
-    while len(loaded.tokenizer(text)["input_ids"]) < length:
+    while len(text.split()) < length:  # at least one token per word
         text = f"{text} {text}"
     ids = loaded.tokenizer(text, truncation=True, max_length=length)["input_ids"]
     return torch.tensor([ids], dtype=torch.long)

@@ -237,6 +237,10 @@ def _make_session(path: Path, device: str, num_threads: int | None) -> Any:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = num_threads or torch.get_num_threads()
     options.log_severity_level = 3
+    # No spin-waiting after a run: idle ORT threads would take the cores from torch (the gate's
+    # interleaved eager runs, the slice's other buckets).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as error:
