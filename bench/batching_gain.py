@@ -9,8 +9,10 @@ goodput (requests/s within ``--slo-ttft-ms`` / ``--slo-tpot-ms``) and peak QPS o
 ratios, and the knees, and writes ``batched/`` and ``one_at_a_time/`` (each a ``bench load``
 output folder), ``summary.json`` and ``versus.png`` (goodput and p95 TTFT of both) to ``--output``.
 
-The admin token comes from ``--admin-token`` or ``SLUICE_ADMIN_TOKEN``. Exit codes: 0 done,
-1 the admin API refused a change, 2 bad options.
+``--model``, ``--output`` and ``--slo-ttft-ms`` and/or ``--slo-tpot-ms`` are required; an
+embedding model is sent to ``/v1/embeddings`` whatever ``--endpoint`` says. The admin token comes
+from ``--admin-token`` or ``SLUICE_ADMIN_TOKEN``. Exit codes: 0 done, 1 the admin API refused (a
+bad token, a change), 2 bad options, 130 stopped by SIGINT or SIGTERM (knobs put back).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import httpx
 
 from bench import load, load_report
-from bench.tune import TuneError, patch_bucket
+from bench.tune import TuneError, patch_bucket, stoppable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,10 +50,13 @@ def run(args: argparse.Namespace) -> int:
         print("sluice bench batching: error: give --model, --output and --slo-ttft-ms and/or --slo-tpot-ms", file=sys.stderr)
         return 2
     try:
-        summary = asyncio.run(_compare(args))
+        summary = asyncio.run(stoppable(_compare(args)))
     except TuneError as exc:
         print(f"sluice bench batching: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except asyncio.CancelledError:
+        print("sluice bench batching: stopped; the buckets' knobs were put back", file=sys.stderr)
+        return 130
     print(format_summary(summary))
     return 0
 
@@ -62,15 +67,22 @@ async def _compare(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=30) as admin:
         response = await admin.get(f"/admin/models/{args.model}")
         if response.status_code != 200:
-            raise TuneError(f"GET /admin/models/{args.model}: HTTP {response.status_code}: {response.text[:300]}")
+            refused = response.status_code in (401, 403)
+            raise TuneError(f"GET /admin/models/{args.model}: HTTP {response.status_code}: {response.text[:300]}", 1 if refused else 2)
         described = response.json()
+        task = described["config"]["task"]
+        if task == "embed" and args.endpoint != "embeddings":
+            print(f"{args.model} is an embedding model: sending to /v1/embeddings", file=sys.stderr)
+            args.endpoint = "embeddings"
+        elif task == "generate" and args.endpoint == "embeddings":
+            raise TuneError(f"{args.model} generates text: use --endpoint completions or chat")
         reports = {"batched": await load.run_sweep(args)}
         originals = {}
-        for entry, config in zip(described["buckets"], described["config"]["buckets"]):
-            single, original = _one_at_a_time(entry["kind"], config["batcher"])
-            originals[entry["name"]] = original
-            await patch_bucket(admin, args.model, entry["name"], single)
         try:
+            for entry, config in zip(described["buckets"], described["config"]["buckets"]):
+                single, original = _one_at_a_time(entry["kind"], config["batcher"])
+                await patch_bucket(admin, args.model, entry["name"], single)
+                originals[entry["name"]] = original
             reports["one_at_a_time"] = await load.run_sweep(args)
         finally:
             for name, original in originals.items():
@@ -166,7 +178,8 @@ def write_versus_plot(reports: dict[str, dict[str, Any]], load_name: str, path: 
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    right.set_yscale("log")
+    if any(line.get_ydata().size for line in right.get_lines()):
+        right.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -177,11 +177,15 @@ async def _run_step(
     deadline = None if args.num_requests else start + args.duration
     sender.step_start = start
     sender.on_done = lambda: progress.update(1) if progress is not None else None
-    if mode == "concurrency":
-        results = await _closed_loop(sender, int(load), prompts, args.num_requests, deadline)
-    else:
-        gaps = _arrival_gaps(load, args.burstiness, rng)
-        results = await _open_loop(sender, gaps, prompts, args.num_requests, deadline)
+    try:
+        if mode == "concurrency":
+            results = await _closed_loop(sender, int(load), prompts, args.num_requests, deadline)
+        else:
+            gaps = _arrival_gaps(load, args.burstiness, rng)
+            results = await _open_loop(sender, gaps, prompts, args.num_requests, deadline)
+    except BaseException:  # cancelled (SIGINT/SIGTERM): stop polling before the client closes
+        sampler.cancel()
+        raise
     duration_s = time.perf_counter() - start
     only = getattr(args, "only_bucket", None)
     if only is not None:  # ``sluice bench tune``: answers from other buckets do not describe this one
@@ -227,13 +231,18 @@ async def _open_loop(
     """Requests sent at the arrival times, whatever is still in flight; waits for them all."""
     tasks: list[asyncio.Task[RequestResult]] = []
     next_at = time.perf_counter()
-    while num_requests is None or len(tasks) < num_requests:
-        next_at += next(gaps)
-        if deadline is not None and max(next_at, time.perf_counter()) >= deadline:
-            break
-        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-        tasks.append(asyncio.create_task(sender.send(*next(prompts))))
-    return list(await asyncio.gather(*tasks))
+    try:
+        while num_requests is None or len(tasks) < num_requests:
+            next_at += next(gaps)
+            if deadline is not None and max(next_at, time.perf_counter()) >= deadline:
+                break
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(sender.send(*next(prompts))))
+        return list(await asyncio.gather(*tasks))
+    except BaseException:  # cancelled: the requests in flight go too
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 def _arrival_gaps(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:

@@ -131,6 +131,8 @@ def step_stats(
         "goodput_per_s": goodput_per_s(results, duration_s, slo_ttft_ms, slo_tpot_ms),
         "mean_queue_depth": mean_queue_depth,
         "buckets": bucket_stats(done, duration_s),
+        # up to 3 distinct failure messages, so a step of errors says why
+        "error_samples": sorted({r.error for r in results if not r.ok and r.error})[:3],
     }
 
 

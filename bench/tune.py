@@ -17,8 +17,9 @@ Steps:
 5. The knobs the sweep changed are put back, or, with ``--apply``, the proposal is sent.
 
 The admin token comes from ``--admin-token`` or ``SLUICE_ADMIN_TOKEN`` (none: the gateway must
-allow loopback admin without one). Exit codes: 0 done, 1 the admin API refused a change,
-2 bad options or an unknown model or bucket.
+allow loopback admin without one). Exit codes: 0 done; 1 the admin API refused (a bad token, a
+change) or could not be reached to put knobs back, or no request of the sweep completed; 2 bad
+options or an unknown model or bucket; 130 stopped by SIGINT or SIGTERM, knobs put back.
 """
 
 from __future__ import annotations
@@ -79,12 +80,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the whole tune (see the module docstring); 0, 1 when a change was refused, 2 on bad input."""
+    """Run the whole tune (see the module docstring); 0, 1 when the admin API refused or the
+    sweep completed nothing, 2 on bad input, 130 when stopped by SIGINT or SIGTERM (after the
+    bucket's knobs were put back)."""
     try:
-        return asyncio.run(_tune(args))
+        return asyncio.run(stoppable(_tune(args)))
     except TuneError as exc:
         print(f"sluice bench tune: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except asyncio.CancelledError:
+        print("sluice bench tune: stopped; the bucket's knobs were put back", file=sys.stderr)
+        return 130
+
+
+async def stoppable(work: Any) -> Any:
+    """Run coroutine ``work`` so that SIGINT and SIGTERM cancel it: its ``finally`` blocks (which
+    put changed knobs back) run, then :class:`asyncio.CancelledError` propagates."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await task
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 async def _tune(args: argparse.Namespace) -> int:
@@ -100,9 +122,14 @@ async def _tune(args: argparse.Namespace) -> int:
         applied = False
         try:
             report = await load.run_sweep(_sweep_args(args, bucket, slo, concurrency, base_url))
-            proposal = propose_knobs(
-                _points(report["steps"]), slo, bucket["kind"], report["knee"], bucket["max_input_tokens"]
-            )
+            try:
+                proposal = propose_knobs(
+                    _points(report["steps"]), slo, bucket["kind"], report["knee"], bucket["max_input_tokens"]
+                )
+            except ValueError as exc:
+                print(load_report.format_table(report["steps"], "concurrency", report["knee"]))
+                errors = [r for s in report["steps"] for r in s.get("error_samples", [])]
+                raise TuneError(f"{exc}{'; e.g. ' + errors[0] if errors else ''}", exit_code=1) from None
             _print(report, proposal, bucket)
             if args.apply:
                 after = await patch_bucket(admin, args.model, args.bucket, {**original, **proposal.knobs})
@@ -128,7 +155,8 @@ async def describe_bucket(admin: httpx.AsyncClient, model: str, bucket: str) -> 
     except httpx.HTTPError as exc:
         raise TuneError(f"cannot reach the admin API: {exc}") from None
     if response.status_code != 200:
-        raise TuneError(f"GET /admin/models/{model}: HTTP {response.status_code}: {response.text[:300]}")
+        refused = response.status_code in (401, 403)
+        raise TuneError(f"GET /admin/models/{model}: HTTP {response.status_code}: {response.text[:300]}", 1 if refused else 2)
     described = response.json()
     configs = described["config"]["buckets"]
     limits = [c["max_input_tokens"] for c in configs]
@@ -146,7 +174,10 @@ async def patch_bucket(admin: httpx.AsyncClient, model: str, bucket: str, knobs:
     Raises:
         TuneError: (exit code 1) with the gateway's answer when it is not a 200.
     """
-    response = await admin.patch(f"/admin/models/{model}/buckets/{bucket}", json=knobs)
+    try:
+        response = await admin.patch(f"/admin/models/{model}/buckets/{bucket}", json=knobs)
+    except httpx.HTTPError as exc:
+        raise TuneError(f"cannot reach the admin API to set {json.dumps(knobs)} on {model}/{bucket}: {exc}", exit_code=1) from None
     if response.status_code != 200:
         message = f"the admin API refused {json.dumps(knobs)}: HTTP {response.status_code}: {response.text[:300]}"
         raise TuneError(message, exit_code=1)
@@ -161,6 +192,8 @@ def _slo(args: argparse.Namespace, config: dict[str, Any]) -> SLO:
     )
     if slo.ttft_p95_ms is None and slo.tpot_p95_ms is None:
         raise TuneError("give --slo-ttft-ms and/or --slo-tpot-ms (the bucket has no slo)")
+    if config["batcher"]["kind"] == "dynamic" and slo.ttft_p95_ms is None:
+        raise TuneError("an embedding bucket has no TPOT: give --slo-ttft-ms (its latency target)")
     return slo
 
 

@@ -64,9 +64,10 @@ def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dic
         left = budget - sum(fixed.values())
         rest = [(name, b.bucket_name) for name, b in owners if (name, b.bucket_name) not in fixed]
         if left < 0 or (rest and left == 0):
+            index = [s.name for s in config.slices].index(slice_name)
             raise ConfigError(
-                f"slice {slice_name!r}: its continuous buckets ask for {sum(fixed.values())} bytes of KV memory, "
-                f"its kv_cache_memory_bytes is {budget}"
+                f"slices.{index}.kv_cache_memory_bytes: the continuous buckets of slice {slice_name!r} ask for "
+                f"{sum(fixed.values())} bytes of KV memory, its kv_cache_memory_bytes is {budget}"
             )
         shares.update(fixed)
         shares.update({key: left // len(rest) for key in rest})
@@ -91,6 +92,25 @@ def kv_num_blocks(
             f"block of {block_size} tokens"
         )
     return num_blocks
+
+
+def check_devices(config: GatewayConfig) -> None:
+    """Every ``cuda:N`` slice names a device torch can see.
+
+    Raises:
+        ConfigError: naming the slice's ``device`` path and what torch sees.
+    """
+    for index, slice_config in enumerate(config.slices):
+        if not slice_config.device.startswith("cuda:"):
+            continue
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(slice_config.device.split(":")[1]) >= count:
+            raise ConfigError(
+                f"slices.{index}.device: {slice_config.device} is not a CUDA device torch can use here "
+                f"(torch {torch.__version__} sees {count})"
+            )
 
 
 def weight_bytes(model: Any) -> int:
@@ -118,6 +138,9 @@ def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[tuple[str, str], i
         )
         if weights_total + kv_total > budget:
             loaded = ", ".join(f"{name} {weights[name]}" for name in models if name in weights)
+            pending = [name for name in models if name not in weights]
+            if pending:
+                loaded += f"; not yet loaded, so not counted: {', '.join(pending)}"
             raise ConfigError(
                 f"slices.{index}.memory_budget_bytes: slice {slice_config.name!r} needs {weights_total + kv_total} bytes "
                 f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}), over its budget of {int(budget)}"
@@ -190,6 +213,7 @@ class Engine:
     """
 
     def __init__(self, config: GatewayConfig):
+        check_devices(config)
         self.config = config
         self.cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
         self.slices: dict[str, DeviceSlice | ProcessSlice] = {s.name: make_slice(s, self) for s in config.slices}

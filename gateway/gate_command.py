@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from gateway import gate
 from gateway.config import GatewayConfig, load_config
 from gateway.errors import ConfigError
@@ -81,7 +83,11 @@ def _with_overrides(config: GatewayConfig, args: argparse.Namespace) -> GatewayC
         return config
     data = config.model_dump(mode="json")
     data["gate"] = {**data["gate"], **changes}
-    return GatewayConfig.model_validate(data)
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'.'.join(str(p) for p in e['loc'][1:2])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors())
+        raise ValueError(problems) from None
 
 
 def format_record(record: dict[str, Any]) -> str:

@@ -166,7 +166,8 @@ def propose_knobs(
 
     The chosen step is the one with the most goodput (else requests/s) among the steps before
     the knee (past it, more load buys latency, not throughput) whose p95s keep the SLO; the
-    smallest load when none does. Its concurrency becomes the batch cap (``max_num_seqs`` for a
+    smallest load that completed requests when none does (steps that completed none never count).
+    Its concurrency becomes the batch cap (``max_num_seqs`` for a
     continuous bucket, ``max_batch_size`` for a dynamic one). Admission: by Little's law a
     request queued behind ``k`` others waits about ``k / throughput`` more, so the queue holds
     ``throughput * (TTFT SLO - chosen p95 TTFT)`` requests (at least 1; one batch's worth when
@@ -181,22 +182,24 @@ def propose_knobs(
         knee: index of the knee step (``None``: none found).
         max_input_tokens: the bucket's prompt limit.
     Raises:
-        ValueError: no points, or an unknown ``kind``.
+        ValueError: no points, no step that completed a request, or an unknown ``kind``.
     """
     if not points:
         raise ValueError("propose_knobs needs at least one sweep point")
     if kind not in ("continuous", "dynamic"):
         raise ValueError(f"kind must be 'continuous' or 'dynamic', not {kind!r}")
     notes = []
-    candidates = list(range(len(points) if knee is None else max(1, knee)))
+    if all(p.requests_per_s <= 0 for p in points):
+        raise ValueError("no step of the sweep completed a request: nothing to base knobs on")
+    candidates = [i for i in range(len(points) if knee is None else max(1, knee)) if points[i].requests_per_s > 0]
     keeping = [i for i in candidates if not slo.breached(points[i].ttft_p95_ms, points[i].tpot_p95_ms)]
     if keeping:
         chosen = max(keeping, key=lambda i: (_throughput(points[i]), -points[i].concurrency))
         notes.append(f"concurrency {points[chosen].concurrency}: the most throughput within the SLO"
                      + ("" if knee is None else f", below the knee at {points[knee].concurrency}"))
     else:
-        chosen = 0
-        notes.append(f"no step kept the SLO; concurrency {points[0].concurrency}, the smallest load, is proposed")
+        chosen = next(i for i, p in enumerate(points) if p.requests_per_s > 0)
+        notes.append(f"no step kept the SLO; concurrency {points[chosen].concurrency}, the smallest load that completed requests, is proposed")
     point = points[chosen]
     batch = max(1, point.concurrency)
     throughput = max(point.requests_per_s, 1e-9)

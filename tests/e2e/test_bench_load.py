@@ -150,12 +150,18 @@ def test_tune_apply_sets_the_proposal_through_the_admin_api(server: str, tmp_pat
     assert (after["max_queue_len"], after["max_queued_tokens"]) == (knobs["max_queue_len"], knobs["max_queued_tokens"])
 
 
-def test_tune_refuses_a_bad_token_an_unknown_bucket_and_a_missing_slo(server: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tune_refuses_a_bad_token_an_unknown_bucket_a_missing_slo_and_a_sweep_that_completed_nothing(server: str, capsys: pytest.CaptureFixture[str]) -> None:
     bad_token = tune_args(server, GENERATE_MODEL, "le48", "--slo-ttft-ms", "1000")
     bad_token[bad_token.index(ADMIN_TOKEN)] = "wrong"
-    assert sluice(bad_token) == 2
+    assert sluice(bad_token) == 1  # refused
     assert "401" in capsys.readouterr().err
     assert sluice(tune_args(server, GENERATE_MODEL, "nope", "--slo-ttft-ms", "1000")) == 2
     assert "has no bucket 'nope'" in capsys.readouterr().err
     assert sluice(tune_args(server, GENERATE_MODEL, "le48")) == 2
     assert "--slo-ttft-ms" in capsys.readouterr().err
+    before = bucket_config(server, GENERATE_MODEL, "le48")
+    too_long = tune_args(server, GENERATE_MODEL, "le48", "--slo-ttft-ms", "1000")
+    too_long[too_long.index("--output-len") + 1] = "400"  # beyond max_model_len: every request is a 400
+    assert sluice(too_long) == 1
+    assert "no step of the sweep completed a request" in capsys.readouterr().err
+    assert bucket_config(server, GENERATE_MODEL, "le48") == before

@@ -61,7 +61,7 @@ def test_an_admin_load_over_the_budget_is_422_and_changes_nothing(server: str) -
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert "memory_budget_bytes" in error["message"] and "over its budget of 209715200" in error["message"]
-    assert error["code"] == "memory_budget_exceeded"
+    assert error["code"] == "memory_budget_exceeded" and error["param"] == "slices.0.memory_budget_bytes"
     assert httpx.get(f"{server}/admin/models/{GENERATE_MODEL}", headers=AUTH, timeout=30).status_code == 404
     body = {"model": EMBED_MODEL, "input": "still serving"}
     assert httpx.post(f"{server}/v1/embeddings", json=body, timeout=60).status_code == 200

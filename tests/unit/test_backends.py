@@ -74,3 +74,17 @@ def test_slice_budgets_count_weights_of_loaded_models_and_kv_pools() -> None:
     assert "gen 250, emb 151" in message and "KV pools 600" in message and "budget of 1000" in message
     data["slices"][0]["kv_cache_memory_bytes"] = 2000
     assert "kv_cache_memory_bytes: 2000 is above memory_budget_bytes 1000" in config_error(data)
+
+
+def test_a_cuda_slice_without_that_device_is_a_config_error() -> None:
+    import torch
+
+    from gateway.engine import check_devices
+
+    data = make_config_data()
+    data["slices"][0]["device"] = "cuda:7"
+    config = parse_config(data)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(ConfigError, match=r"slices\.0\.device: cuda:7 is not a CUDA device torch can use here"):
+        check_devices(config)

@@ -152,3 +152,12 @@ def test_when_no_step_keeps_the_slo_the_smallest_load_is_proposed() -> None:
         propose_knobs([], SLO(ttft_p95_ms=50.0), "continuous", None, 256)
     with pytest.raises(ValueError):
         propose_knobs(SWEEP, SLO(ttft_p95_ms=50.0), "static", None, 256)
+
+
+def test_steps_that_completed_nothing_never_count() -> None:
+    failed = [SweepPoint(1, 0.0, None, None), SweepPoint(2, 0.0, None, None)]
+    with pytest.raises(ValueError, match="no step of the sweep completed a request"):
+        propose_knobs(failed, SLO(ttft_p95_ms=1000.0), "continuous", None, 64)
+    mixed = [SweepPoint(1, 0.0, None, None), SweepPoint(2, 3.0, 5000.0, None)]
+    proposal = propose_knobs(mixed, SLO(ttft_p95_ms=1000.0), "continuous", None, 64)
+    assert proposal.chosen == 1 and proposal.knobs["max_num_seqs"] == 2
