@@ -161,3 +161,27 @@ def test_compiled_decoder_gives_eager_greedy_tokens_keeps_to_its_pool_and_warms_
         assert greedy(other, prompts, MAX_NEW_TOKENS) == want
     assert torch.equal(runner.kv_cache.data, pool_after)
     assert bool(other.kv_cache.data.any())
+
+
+def test_a_failing_compiled_step_is_rerun_eager_and_the_runner_stays_eager() -> None:
+    from models.causal_lm import CausalLMRunner
+
+    loaded = load("smollm2", DECODER_SOURCE, "generate")
+    loaded.model.config.num_hidden_layers = NUM_DECODER_LAYERS
+    prompts = [loaded.tokenizer(p).input_ids for p in PROMPTS]
+    num_blocks = len(prompts) * -(-(max(len(p) for p in prompts) + MAX_NEW_TOKENS) // BLOCK_SIZE)
+    want = greedy(CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE), prompts, MAX_NEW_TOKENS)
+
+    runner = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend="compiled")
+    calls: list[int] = []
+
+    def broken(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        raise RuntimeError("inductor kernel crashed")
+
+    runner._compiled = broken  # a compiled graph that fails at run time (no compile needed)
+    failures: list[tuple[str, str]] = []
+    runner.on_fallback = lambda name, exc: failures.append((name, str(exc)))
+    assert greedy(runner, prompts, MAX_NEW_TOKENS) == want  # the failed step still gives its tokens
+    assert failures == [("compiled", "inductor kernel crashed")] and len(calls) == 1
+    assert runner.backend == "eager"
