@@ -17,6 +17,7 @@ from buckets.process_slice import ProcessSlice
 from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from buckets.request import Request
+from gateway import runners
 from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
 from gateway.slice_worker import make_slice, remote_bucket
@@ -381,8 +382,8 @@ class Engine:
             knobs = config.batcher
             settings = continuous_settings(knobs)
             num_blocks = kv_num_blocks(model, loaded, config, self.kv_memory_bytes)
-            label = self._backend_label(model, loaded, config, device_slice.num_threads, info)
-            runner = self._causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
+            label = runners.backend_label(self, model, loaded, config, device_slice.num_threads, info)
+            runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
             batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
             log.info(
                 "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
@@ -391,8 +392,8 @@ class Engine:
         else:
             from models.encoder import EmbeddingRunner
 
-            label = self._backend_label(model, loaded, config, device_slice.num_threads, info)
-            backend = self._encoder_backend(model, loaded, config, label, device_slice.num_threads, info)
+            label = runners.backend_label(self, model, loaded, config, device_slice.num_threads, info)
+            backend = runners.encoder_backend(self, model, loaded, config, label, device_slice.num_threads, info)
             pad_id = loaded.tokenizer.pad_token_id or 0
             runner = EmbeddingRunner(backend, pad_id, loaded.device, loaded.folder)
             batcher = DynamicBatcher(runner, dynamic_settings(config.batcher))
@@ -401,84 +402,3 @@ class Engine:
             config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens,
             max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens, backend_info=info,
         )
-
-    def _backend_label(
-        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]
-    ) -> str:
-        """The backend a bucket runs: as configured, or for ``auto`` what its gate record (run
-        now when missing or stale and ``gate.run_at_start``) enabled. Fills ``info["gate"]``."""
-        from gateway import gate
-
-        if config.backend == "onnx":
-            return "onnx-int8" if config.quantization == "int8" else "onnx-fp32"
-        if config.backend != "auto":
-            return config.backend
-        path = gate.record_path(self.cache_dir, model.name, config.bucket_name)
-        record = gate.load_record(path, gate.gate_key(model, config, loaded, num_threads))
-        if record is None and self.config.gate.run_at_start:
-            log.info("gate_started", model=model.name, bucket=config.bucket_name, reason="no current gate record")
-            record = gate.run_gate(loaded, model, config, self.config.gate, self.cache_dir, num_threads)
-            gate.save_record(path, record)
-            log.info("gate_finished", model=model.name, bucket=config.bucket_name, chosen=record["chosen"], gate_s=record["gate_s"], record=str(path))
-        info["gate"] = gate.summary(record, self.config.gate)
-        return gate.chosen_backend(record, self.config.gate) if record is not None else "eager"
-
-    def _encoder_backend(
-        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, label: str, num_threads: int, info: dict[str, Any]
-    ) -> Any:
-        """The encoder backend ``label``, warmed at the bucket's shapes, behind a fallback to
-        eager; eager itself when ``label`` cannot be built (logged)."""
-        from gateway import gate
-        from models.backends import BackendUnavailableError, EagerEncoder, FallbackEncoder
-
-        eager = EagerEncoder(loaded.model)
-        info["running"] = "eager"
-        if label == "eager":
-            return eager
-        fields = {"model": model.name, "bucket": config.bucket_name, "backend": label}
-        try:
-            backend = gate.build_encoder(label, loaded, self.cache_dir, num_threads)
-            info["warm_up_s"] = round(backend.warm_up(gate.encoder_shapes(config)), 3)
-        except BackendUnavailableError as exc:
-            log.warning("backend_unavailable", **fields, error=str(exc), running="eager")
-            info["error"] = str(exc)
-            return eager
-        log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
-        info["running"] = label
-        return FallbackEncoder(backend, eager, self._on_fallback(fields, info))
-
-    def _causal_lm_runner(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any]
-    ) -> Any:
-        """A decoder runner with backend ``label``, warmed at the bucket's step shapes; eager
-        when ``label`` cannot be built (logged)."""
-        from gateway import gate
-        from models.backends import BackendUnavailableError
-        from models.causal_lm import CausalLMRunner
-
-        info["running"] = "eager"
-        if label == "eager":
-            return CausalLMRunner(loaded.model, num_blocks, block_size)
-        fields = {"model": loaded.name, "bucket": config.bucket_name, "backend": label}
-        try:
-            runner = CausalLMRunner(loaded.model, num_blocks, block_size, backend=label)
-            info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
-        except BackendUnavailableError as exc:
-            log.warning("backend_unavailable", **fields, error=str(exc), running="eager")
-            info["error"] = str(exc)
-            return CausalLMRunner(loaded.model, num_blocks, block_size)
-        log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
-        info["running"] = label
-        runner.on_fallback = self._on_fallback(fields, info)
-        return runner
-
-    @staticmethod
-    def _on_fallback(fields: dict[str, str], info: dict[str, Any]) -> Callable[[str, Exception], None]:
-        """What a backend calls once when it fails while serving and eager takes over: log it
-        and show the bucket running eager."""
-
-        def on_fallback(name: str, exc: Exception) -> None:
-            log.error("backend_failed", **fields, error=f"{type(exc).__name__}: {exc}", running="eager")
-            info.update(running="eager", error=f"{type(exc).__name__}: {exc}")
-
-        return on_fallback
