@@ -18,7 +18,6 @@ bad token, a change), 2 bad options, 130 stopped by SIGINT or SIGTERM (knobs put
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import httpx
 
 from bench import load, load_report
-from bench.tune import TuneError, patch_bucket, stoppable
+from bench.tune import TuneError, patch_bucket, run_stoppable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,16 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.model or args.output is None or (args.slo_ttft_ms is None and args.slo_tpot_ms is None):
         print("sluice bench batching: error: give --model, --output and --slo-ttft-ms and/or --slo-tpot-ms", file=sys.stderr)
         return 2
-    try:
-        summary = asyncio.run(stoppable(_compare(args)))
-    except TuneError as exc:
-        print(f"sluice bench batching: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except asyncio.CancelledError:
-        print("sluice bench batching: stopped; the buckets' knobs were put back", file=sys.stderr)
-        return 130
-    print(format_summary(summary))
-    return 0
+    code, summary = run_stoppable(_compare(args), "sluice bench batching")
+    if code == 0:
+        print(format_summary(summary))
+    return code
 
 
 async def _compare(args: argparse.Namespace) -> dict[str, Any]:

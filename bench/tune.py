@@ -83,14 +83,21 @@ def run(args: argparse.Namespace) -> int:
     """Run the whole tune (see the module docstring); 0, 1 when the admin API refused or the
     sweep completed nothing, 2 on bad input, 130 when stopped by SIGINT or SIGTERM (after the
     bucket's knobs were put back)."""
+    code, _ = run_stoppable(_tune(args), "sluice bench tune")
+    return code
+
+
+def run_stoppable(work: Any, prog: str) -> tuple[int, Any]:
+    """Run coroutine ``work`` (see :func:`stoppable`); ``(0, its result)``, or the exit code of
+    its :class:`TuneError` or 130 when SIGINT or SIGTERM stopped it (said on stderr), and ``None``."""
     try:
-        return asyncio.run(stoppable(_tune(args)))
+        return 0, asyncio.run(stoppable(work))
     except TuneError as exc:
-        print(f"sluice bench tune: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code, None
     except asyncio.CancelledError:
-        print("sluice bench tune: stopped; the bucket's knobs were put back", file=sys.stderr)
-        return 130
+        print(f"{prog}: stopped; the knobs it changed were put back", file=sys.stderr)
+        return 130, None
 
 
 async def stoppable(work: Any) -> Any:

@@ -206,11 +206,8 @@ def propose_knobs(
     slack_s = None
     if slo.ttft_p95_ms is not None and point.ttft_p95_ms is not None:
         slack_s = max(0.0, (slo.ttft_p95_ms - point.ttft_p95_ms) / 1000)
-        max_queue_len = max(1, math.floor(throughput * slack_s))
-        notes.append(f"queue: {throughput:.2f} req/s x {slack_s * 1000:.0f} ms TTFT slack = {max_queue_len} requests")
-    else:
-        max_queue_len = batch
-        notes.append(f"queue: TTFT not constrained, one batch ({batch}) may wait")
+    max_queue_len, queue_note = _queue_len(throughput, slack_s, batch)
+    notes.append(queue_note)
     knobs: dict[str, float | int] = {"max_queue_len": max_queue_len, "max_queued_tokens": max_queue_len * max_input_tokens}
     if kind == "continuous":
         knobs["max_num_seqs"] = batch
@@ -221,6 +218,15 @@ def propose_knobs(
             delay_s = min(delay_s, slack_s / 2)
         knobs["max_queue_delay_ms"] = round(delay_s * 1000, 1)
     return KnobProposal(knobs=knobs, chosen=chosen, notes=tuple(notes))
+
+
+def _queue_len(throughput: float, slack_s: float | None, batch: int) -> tuple[int, str]:
+    """Little's law: the requests that can queue within ``slack_s`` of TTFT at ``throughput``
+    requests/s (at least 1); one batch when TTFT is not constrained. With the reason."""
+    if slack_s is None:
+        return batch, f"queue: TTFT not constrained, one batch ({batch}) may wait"
+    max_queue_len = max(1, math.floor(throughput * slack_s))
+    return max_queue_len, f"queue: {throughput:.2f} req/s x {slack_s * 1000:.0f} ms TTFT slack = {max_queue_len} requests"
 
 
 def _throughput(point: SweepPoint) -> float:

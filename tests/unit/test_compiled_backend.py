@@ -132,15 +132,23 @@ def greedy(runner: Any, prompts: list[list[int]], max_new_tokens: int) -> list[l
     return outputs
 
 
-@pytest.mark.slow
-def test_compiled_decoder_gives_eager_greedy_tokens_keeps_to_its_pool_and_warms_up_cleanly() -> None:
+@pytest.fixture(scope="module")
+def decoder_case() -> tuple[Any, list[list[int]], int, list[list[int]]]:
+    """SmolLM2 cut to its first layers, the prompts, a pool that holds them, and eager's greedy tokens."""
     from models.causal_lm import CausalLMRunner
 
     loaded = load("smollm2", DECODER_SOURCE, "generate")
     loaded.model.config.num_hidden_layers = NUM_DECODER_LAYERS
     prompts = [loaded.tokenizer(p).input_ids for p in PROMPTS]
     num_blocks = len(prompts) * -(-(max(len(p) for p in prompts) + MAX_NEW_TOKENS) // BLOCK_SIZE)
-    want = greedy(CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE), prompts, MAX_NEW_TOKENS)
+    return loaded, prompts, num_blocks, greedy(CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE), prompts, MAX_NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_compiled_decoder_gives_eager_greedy_tokens_keeps_to_its_pool_and_warms_up_cleanly(decoder_case: Any) -> None:
+    from models.causal_lm import CausalLMRunner
+
+    loaded, prompts, num_blocks, want = decoder_case
 
     runner = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend="compiled")
     runner.kv_cache.data.normal_()
@@ -163,14 +171,10 @@ def test_compiled_decoder_gives_eager_greedy_tokens_keeps_to_its_pool_and_warms_
     assert bool(other.kv_cache.data.any())
 
 
-def test_a_failing_compiled_step_is_rerun_eager_and_the_runner_stays_eager() -> None:
+def test_a_failing_compiled_step_is_rerun_eager_and_the_runner_stays_eager(decoder_case: Any) -> None:
     from models.causal_lm import CausalLMRunner
 
-    loaded = load("smollm2", DECODER_SOURCE, "generate")
-    loaded.model.config.num_hidden_layers = NUM_DECODER_LAYERS
-    prompts = [loaded.tokenizer(p).input_ids for p in PROMPTS]
-    num_blocks = len(prompts) * -(-(max(len(p) for p in prompts) + MAX_NEW_TOKENS) // BLOCK_SIZE)
-    want = greedy(CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE), prompts, MAX_NEW_TOKENS)
+    loaded, prompts, num_blocks, want = decoder_case
 
     runner = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend="compiled")
     calls: list[int] = []
