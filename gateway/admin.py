@@ -310,11 +310,8 @@ def _configured(action: Any, *args: Any) -> Any:
     try:
         return action(*args)
     except ConfigError as exc:
-        message = str(exc)
-        code = "memory_budget_exceeded" if "memory_budget_bytes" in message else "kv_cache_memory_exceeded"
-        head = message.split(":", 1)[0]  # "slices.0.memory_budget_bytes: ..." names the config path
-        param = head if " " not in head and "." in head else None
-        raise APIError(422, message, "invalid_request_error", param=param, code=code) from None
+        code = exc.code or "kv_cache_memory_exceeded"
+        raise APIError(422, str(exc), "invalid_request_error", param=exc.param, code=code) from None
 
 
 def _ready_model(engine: Engine, name: str) -> ServedModel:

@@ -66,9 +66,12 @@ def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dic
         rest = [(name, b.bucket_name) for name, b in owners if (name, b.bucket_name) not in fixed]
         if left < 0 or (rest and left == 0):
             index = [s.name for s in config.slices].index(slice_name)
+            param = f"slices.{index}.kv_cache_memory_bytes"
             raise ConfigError(
-                f"slices.{index}.kv_cache_memory_bytes: the continuous buckets of slice {slice_name!r} ask for "
-                f"{sum(fixed.values())} bytes of KV memory, its kv_cache_memory_bytes is {budget}"
+                f"{param}: the continuous buckets of slice {slice_name!r} ask for "
+                f"{sum(fixed.values())} bytes of KV memory, its kv_cache_memory_bytes is {budget}",
+                param=param,
+                code="kv_cache_memory_exceeded",
             )
         shares.update(fixed)
         shares.update({key: left // len(rest) for key in rest})
@@ -90,7 +93,8 @@ def kv_num_blocks(
     if num_blocks < 1:
         raise ConfigError(
             f"models.{model.name}.buckets.{config.bucket_name}: {memory_bytes} bytes of KV memory hold no "
-            f"block of {block_size} tokens"
+            f"block of {block_size} tokens",
+            code="kv_cache_memory_exceeded",
         )
     return num_blocks
 
@@ -142,9 +146,12 @@ def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[tuple[str, str], i
             pending = [name for name in models if name not in weights]
             if pending:
                 loaded += f"; not yet loaded, so not counted: {', '.join(pending)}"
+            param = f"slices.{index}.memory_budget_bytes"
             raise ConfigError(
-                f"slices.{index}.memory_budget_bytes: slice {slice_config.name!r} needs {weights_total + kv_total} bytes "
-                f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}), over its budget of {int(budget)}"
+                f"{param}: slice {slice_config.name!r} needs {weights_total + kv_total} bytes "
+                f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}), over its budget of {int(budget)}",
+                param=param,
+                code="memory_budget_exceeded",
             )
 
 

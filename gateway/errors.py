@@ -19,7 +19,18 @@ _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
 
 
 class ConfigError(Exception):
-    """The config file is unreadable or invalid; the message names the field and value."""
+    """The config file is unreadable or invalid; the message names the field and value.
+
+    Args:
+        message: what is wrong, starting with the config path where there is one.
+        param: that config path (e.g. ``slices.0.memory_budget_bytes``), for API errors.
+        code: a machine-readable reason (e.g. ``memory_budget_exceeded``), for API errors.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class APIError(Exception):
