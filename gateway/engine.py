@@ -389,7 +389,7 @@ class Engine:
             knobs = config.batcher
             settings = continuous_settings(knobs)
             num_blocks = kv_num_blocks(model, loaded, config, self.kv_memory_bytes)
-            label = runners.backend_label(self, model, loaded, config, device_slice.num_threads, info)
+            label = runners.backend_label(self.cache_dir, self.config.gate, model, loaded, config, device_slice.num_threads, info)
             runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
             batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
             log.info(
@@ -399,8 +399,8 @@ class Engine:
         else:
             from models.encoder import EmbeddingRunner
 
-            label = runners.backend_label(self, model, loaded, config, device_slice.num_threads, info)
-            backend = runners.encoder_backend(self, model, loaded, config, label, device_slice.num_threads, info)
+            label = runners.backend_label(self.cache_dir, self.config.gate, model, loaded, config, device_slice.num_threads, info)
+            backend = runners.encoder_backend(self.cache_dir, model, loaded, config, label, device_slice.num_threads, info)
             pad_id = loaded.tokenizer.pad_token_id or 0
             runner = EmbeddingRunner(backend, pad_id, loaded.device, loaded.folder)
             batcher = DynamicBatcher(runner, dynamic_settings(config.batcher))

@@ -24,13 +24,20 @@ import json
 import os
 import platform
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import structlog
+import torch
 
 from gateway.config import BucketConfig, ContinuousBatcherConfig, GateConfig, ModelConfig
-from models.backends import BackendUnavailableError, EagerEncoder, EncoderBackend
+from models.backends.base import BackendUnavailableError, EncoderBackend, EncoderParts
+from models.backends.decoder_gate import measure_decoder
+from models.backends.eager import EagerEncoder
+from models.backends.measure import batched, interleaved_medians_ms, min_cosine
+from models.backends.registry import build_encoder
+from models.encoder import EmbeddingRunner
 from models.loader import LoadedModel
 from policies.gating import GateThresholds, Measurement, Verdict, choose_backend, judge
 
@@ -106,16 +113,12 @@ def machine_info(device: str, num_threads: int) -> dict[str, Any]:
     except OSError:
         info["cpu"] = platform.processor()
     if device.startswith("cuda"):
-        import torch
-
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
 
 
 def library_versions() -> dict[str, str | None]:
     """Versions of what a backend's speed and numerics depend on (``None``: not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for package in ("torch", "transformers", "onnx", "onnxruntime", "onnxruntime-gpu", "sluice"):
         try:
@@ -193,42 +196,33 @@ def run_gate(
     return record
 
 
-def build_encoder(label: str, loaded: LoadedModel, cache_dir: Path, num_threads: int) -> EncoderBackend:
-    """The encoder backend ``label`` (``eager``, ``compiled``, ``onnx-fp32``, ``onnx-int8``).
-
-    Raises:
-        BackendUnavailableError: it cannot be built here.
-    """
-    if label == "eager":
-        return EagerEncoder(loaded.model)
-    if label == "compiled":
-        from models.backends.compiled import CompiledEncoder
-
-        return CompiledEncoder(loaded.model)
-    if label in ("onnx-fp32", "onnx-int8"):
-        from models.backends.onnx import OnnxEncoder
-
-        quantization = "int8" if label == "onnx-int8" else "none"
-        return OnnxEncoder(loaded.model, loaded.folder, quantization, cache_dir, num_threads, loaded.device)
-    raise BackendUnavailableError(f"unknown encoder backend {label!r}")
+def run_and_save(
+    loaded: LoadedModel, model: ModelConfig, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int,
+    reason: str,
+) -> dict[str, Any]:
+    """Run one bucket's gate and save its record, logging ``gate_started`` (with ``reason``) and
+    ``gate_finished`` (the chosen backend, ``duration_s`` and where the record went)."""
+    fields = {"model": model.name, "bucket": bucket.bucket_name}
+    log.info("gate_started", **fields, reason=reason, candidates=list(config.candidates), repeats=config.repeats)
+    record = run_gate(loaded, model, bucket, config, cache_dir, num_threads)
+    path = record_path(cache_dir, model.name, bucket.bucket_name)
+    save_record(path, record)
+    log.info("gate_finished", **fields, chosen=record["chosen"], duration_s=record["gate_s"], record=str(path))
+    return record
 
 
 def _gate_encoder(
     loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int
 ) -> list[dict[str, Any]]:
-    import torch
-
-    from models.backends.measure import batched, interleaved_medians_ms, min_cosine
-    from models.encoder import EmbeddingRunner
-
     shapes = encoder_shapes(bucket)
+    parts = EncoderParts(loaded.model, loaded.folder, cache_dir, num_threads, loaded.device)
     backends: dict[str, EncoderBackend] = {"eager": EagerEncoder(loaded.model)}
     results: dict[str, dict[str, Any]] = {}
     for label in config.candidates:
         results[label] = {"backend": label, "quantized": label.endswith("int8")}
         try:
             built_at = time.perf_counter()
-            backend = build_encoder(label, loaded, cache_dir, num_threads)
+            backend = build_encoder(label, parts)
             results[label]["build_s"] = round(time.perf_counter() - built_at, 3)
             results[label]["warm_up_s"] = round(backend.warm_up(shapes), 3)
             backends[label] = backend
@@ -260,10 +254,8 @@ def _gate_encoder(
     return list(results.values())
 
 
-def _token_ids(loaded: LoadedModel, length: int) -> Any:
+def _token_ids(loaded: LoadedModel, length: int) -> torch.Tensor:
     """``[1, length]`` real token ids cut from the gate texts (the tokenizer's special tokens kept)."""
-    import torch
-
     text = " ".join(GATE_TEXTS)
     while len(text.split()) < length:  # at least one token per word
         text = f"{text} {text}"
@@ -272,8 +264,6 @@ def _token_ids(loaded: LoadedModel, length: int) -> Any:
 
 
 def _gate_decoder(loaded: LoadedModel, bucket: BucketConfig, config: GateConfig) -> list[dict[str, Any]]:
-    from models.backends.decoder_gate import measure_decoder
-
     batcher = bucket.batcher
     assert isinstance(batcher, ContinuousBatcherConfig)
     prompts = [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS[:8]]

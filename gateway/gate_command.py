@@ -14,11 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import ValidationError
 
 from gateway import gate
 from gateway.config import GatewayConfig, load_config
 from gateway.errors import ConfigError
+from models.loader import load_model
+from models.source import default_cache_dir
 
 CANDIDATES = ("compiled", "onnx-fp32", "onnx-int8")
 
@@ -49,21 +52,15 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(b.bucket_name for b in model.buckets)
         print(f"sluice gate: model {model.name!r} has no bucket {args.bucket!r} (it has {names})", file=sys.stderr)
         return 2
-    import torch
-
-    from gateway.engine import Engine
-    from models.loader import load_model
-
-    engine = Engine(config)  # for the cache folder and slices; nothing starts
+    cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     slices = {s.name: s for s in config.slices}
     first_slice = slices[buckets[0].slice]
-    loaded = load_model(model.name, model.source, model.task, model.dtype, first_slice.device, engine.cache_dir)
+    loaded = load_model(model.name, model.source, model.task, model.dtype, first_slice.device, cache_dir)
     for bucket in buckets:
         num_threads = slices[bucket.slice].num_threads
         torch.set_num_threads(num_threads)
-        record = gate.run_gate(loaded, model, bucket, config.gate, engine.cache_dir, num_threads)
-        path = gate.record_path(engine.cache_dir, model.name, bucket.bucket_name)
-        gate.save_record(path, record)
+        record = gate.run_and_save(loaded, model, bucket, config.gate, cache_dir, num_threads, reason="sluice gate")
+        path = gate.record_path(cache_dir, model.name, bucket.bucket_name)
         print(format_record(record))
         print(f"saved {path}")
         if args.output is not None:

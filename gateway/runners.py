@@ -1,73 +1,66 @@
 """Which backend a bucket's runner uses, and building it: as configured, or for ``auto`` from
 the bucket's gate record (:mod:`gateway.gate`), warmed at the bucket's shapes, with a fallback
 to eager when it cannot be built or fails while serving (logged, and shown in the bucket's
-``backend_info``)."""
+``backend_info``). Every function takes plain values (no engine), so the gateway and a slice
+worker build runners alike."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import structlog
 
-from gateway.config import BucketConfig, ModelConfig
+from gateway import gate
+from gateway.config import BucketConfig, GateConfig, ModelConfig
+from models.backends.base import BackendUnavailableError, EncoderBackend, EncoderParts
+from models.backends.eager import EagerEncoder
+from models.backends.fallback import FallbackRunner, OnFallback
+from models.backends.registry import CONFIGURED_KINDS, build_encoder
+from models.causal_lm import CausalLMRunner
 from models.loader import LoadedModel
-
-if TYPE_CHECKING:
-    from gateway.engine import Engine
 
 log = structlog.get_logger(__name__)
 
+R = TypeVar("R")
+
 
 def backend_label(
-    engine: Engine, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]
+    cache_dir: Path, gate_config: GateConfig, model: ModelConfig, loaded: LoadedModel, config: BucketConfig,
+    num_threads: int, info: dict[str, Any],
 ) -> str:
-    """The backend a bucket runs: as configured, or for ``auto`` what its gate record (run
+    """The backend kind a bucket runs: as configured, or for ``auto`` what its gate record (run
     now when missing or stale and ``gate.run_at_start``) enabled. Fills ``info["gate"]``."""
-    from gateway import gate
-
-    if config.backend == "onnx":
-        return "onnx-int8" if config.quantization == "int8" else "onnx-fp32"
     if config.backend != "auto":
-        return config.backend
-    path = gate.record_path(engine.cache_dir, model.name, config.bucket_name)
+        return CONFIGURED_KINDS[(config.backend, config.quantization)]
+    path = gate.record_path(cache_dir, model.name, config.bucket_name)
     record = gate.load_record(path, gate.gate_key(model, config, loaded, num_threads))
-    if record is None and engine.config.gate.run_at_start:
-        log.info("gate_started", model=model.name, bucket=config.bucket_name, reason="no current gate record")
-        record = gate.run_gate(loaded, model, config, engine.config.gate, engine.cache_dir, num_threads)
-        gate.save_record(path, record)
-        log.info("gate_finished", model=model.name, bucket=config.bucket_name, chosen=record["chosen"], gate_s=record["gate_s"], record=str(path))
-    info["gate"] = gate.summary(record, engine.config.gate)
+    if record is None and gate_config.run_at_start:
+        record = gate.run_and_save(loaded, model, config, gate_config, cache_dir, num_threads, reason="no current gate record")
+    info["gate"] = gate.summary(record, gate_config)
     if record is None:  # gate.run_at_start is off
         log.warning("gate_record_missing", model=model.name, bucket=config.bucket_name, record=str(path), running="eager",
                     hint="run `sluice gate` for this model, or set gate.run_at_start")
         return "eager"
-    return gate.chosen_backend(record, engine.config.gate)
+    return gate.chosen_backend(record, gate_config)
 
 
 def encoder_backend(
-    engine: Engine, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, label: str, num_threads: int, info: dict[str, Any]
+    cache_dir: Path, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, label: str, num_threads: int,
+    info: dict[str, Any],
 ) -> Any:
     """The encoder backend ``label``, warmed at the bucket's shapes, behind a fallback to
     eager; eager itself when ``label`` cannot be built (logged)."""
-    from gateway import gate
-    from models.backends import BackendUnavailableError, EagerEncoder, FallbackEncoder
-
     eager = EagerEncoder(loaded.model)
-    info["running"] = "eager"
-    if label == "eager":
-        return eager
-    fields = {"model": model.name, "bucket": config.bucket_name, "backend": label}
-    try:
-        backend = gate.build_encoder(label, loaded, engine.cache_dir, num_threads)
+    parts = EncoderParts(loaded.model, loaded.folder, cache_dir, num_threads, loaded.device)
+
+    def build(on_fallback: OnFallback) -> FallbackRunner[EncoderBackend]:
+        backend = build_encoder(label, parts)
         info["warm_up_s"] = round(backend.warm_up(gate.encoder_shapes(config)), 3)
-    except BackendUnavailableError as exc:
-        log.warning("backend_unavailable", **fields, error=str(exc), running="eager")
-        info["error"] = str(exc)
-        return eager
-    log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
-    info["running"] = label
-    return FallbackEncoder(backend, eager, on_fallback_logger(fields, info))
+        return FallbackRunner(backend, eager, on_fallback)
+
+    return _with_eager_fallback(model.name, config, label, info, build, lambda: eager)
 
 
 def causal_lm_runner(
@@ -75,28 +68,40 @@ def causal_lm_runner(
 ) -> Any:
     """A decoder runner with backend ``label``, warmed at the bucket's step shapes; eager
     when ``label`` cannot be built (logged)."""
-    from gateway import gate
-    from models.backends import BackendUnavailableError
-    from models.causal_lm import CausalLMRunner
 
+    def build(on_fallback: OnFallback) -> CausalLMRunner:
+        runner = CausalLMRunner(loaded.model, num_blocks, block_size, backend=label, on_fallback=on_fallback)
+        info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
+        return runner
+
+    return _with_eager_fallback(
+        loaded.name, config, label, info, build, lambda: CausalLMRunner(loaded.model, num_blocks, block_size)
+    )
+
+
+def _with_eager_fallback(
+    model_name: str, config: BucketConfig, label: str, info: dict[str, Any],
+    build: Callable[[OnFallback], R], build_eager: Callable[[], R],
+) -> R:
+    """``build(on_fallback)`` for a non-eager ``label`` (logged ready), else ``build_eager()``:
+    when ``label`` is eager, or when building or warming it raised
+    :class:`BackendUnavailableError` (logged, the error shown in ``info``)."""
     info["running"] = "eager"
     if label == "eager":
-        return CausalLMRunner(loaded.model, num_blocks, block_size)
-    fields = {"model": loaded.name, "bucket": config.bucket_name, "backend": label}
+        return build_eager()
+    fields = {"model": model_name, "bucket": config.bucket_name, "backend": label}
     try:
-        runner = CausalLMRunner(loaded.model, num_blocks, block_size, backend=label)
-        info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
+        built = build(on_fallback_logger(fields, info))
     except BackendUnavailableError as exc:
         log.warning("backend_unavailable", **fields, error=str(exc), running="eager")
         info["error"] = str(exc)
-        return CausalLMRunner(loaded.model, num_blocks, block_size)
+        return build_eager()
     log.info("backend_ready", **fields, warm_up_s=info["warm_up_s"])
     info["running"] = label
-    runner.on_fallback = on_fallback_logger(fields, info)
-    return runner
+    return built
 
 
-def on_fallback_logger(fields: dict[str, str], info: dict[str, Any]) -> Callable[[str, Exception], None]:
+def on_fallback_logger(fields: dict[str, str], info: dict[str, Any]) -> OnFallback:
     """What a backend calls once when it fails while serving and eager takes over: log it
     and show the bucket running eager."""
 

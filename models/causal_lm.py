@@ -8,13 +8,16 @@ it which sequences run, with which blocks, and which were released.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from models.attention import PackedStep, PrefillSegment
-from models.backends import BackendUnavailableError
+from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts
+from models.backends.eager import EagerDecoder
+from models.backends.fallback import FallbackRunner, OnFallback
+from models.backends.registry import DECODER_FACTORIES, build_decoder
 from models.kv_cache import KVShape, PagedKVCache
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
@@ -28,8 +31,12 @@ class CausalLMRunner:
         model: the decoder (Llama family: Llama, Qwen2, Mistral, SmolLM2, ...).
         num_blocks: blocks in the KV pool (see :meth:`KVShape.num_blocks_for`).
         block_size: tokens per block.
-        backend: ``"eager"`` (the module as loaded) or ``"compiled"`` (``torch.compile`` of the
-            decoder forward, prefill and decode apart; see :mod:`models.backends.compiled`).
+        backend: a decoder kind of :mod:`models.backends.registry` (``"eager"``: the module as
+            loaded; ``"compiled"``: ``torch.compile`` of the decoder forward, prefill and decode
+            apart, see :mod:`models.backends.compiled`).
+        on_fallback: called once as ``on_fallback(backend, error)`` when a step of a non-eager
+            backend fails and the runner reruns it, and every later step, on eager
+            (:class:`models.backends.fallback.FallbackRunner`).
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -38,9 +45,9 @@ class CausalLMRunner:
     step through :meth:`run`.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, backend: str = "eager"):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    def __init__(self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None):
+        if backend not in DECODER_FACTORIES:
+            raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
@@ -52,12 +59,17 @@ class CausalLMRunner:
         self.uses_compiled_kernel = compiled_kernel_available()
         self._generators: dict[int, torch.Generator] = {}
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
-        self._dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        self.backend = backend
-        self._compiled = BACKENDS[backend](self)
-        # Called once as ``on_fallback("compiled", error)`` when a compiled step fails and the
-        # runner goes on eager (the gateway logs it and shows the bucket running eager).
-        self.on_fallback: Callable[[str, Exception], None] | None = None
+        dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        eager = EagerDecoder(self.decoder, dummy_mask)
+        self._primary = build_decoder(backend, DecoderParts(self.decoder, self.kv_cache, dummy_mask))
+        self._forward_backend: DecoderBackend = (
+            eager if self._primary.name == eager.name else FallbackRunner(self._primary, eager, on_fallback)
+        )
+
+    @property
+    def backend(self) -> str:
+        """The kind steps run on now (``eager`` once a non-eager backend failed)."""
+        return self._forward_backend.name
 
     @property
     def num_live_sequences(self) -> int:
@@ -101,7 +113,8 @@ class CausalLMRunner:
         are put back afterwards; no sampler state is created.
 
         Raises:
-            BackendUnavailableError: the compiled backend failed to compile or run.
+            BackendUnavailableError: a non-eager backend failed to compile or run (warm-up runs
+                it without the fallback, so the caller can build an eager runner instead).
         """
         block_size = self.kv_cache.block_size
         num_blocks = min(self.kv_cache.num_blocks, max((_blocks_for(s, block_size) for s in shapes), default=1))
@@ -111,17 +124,18 @@ class CausalLMRunner:
         try:
             with torch.inference_mode():
                 for shape in shapes:
-                    self._forward(_scratch_step(shape, blocks.tolist(), block_size))
+                    self._forward(_scratch_step(shape, blocks.tolist(), block_size), self._primary)
         except Exception as exc:  # noqa: BLE001 - a compile failure of any kind means eager
-            if self._compiled is None:
+            if self._primary.name == "eager":
                 raise
-            raise BackendUnavailableError(f"torch.compile of the decoder failed: {type(exc).__name__}: {exc}") from exc
+            raise BackendUnavailableError(f"{self._primary.name} decoder backend failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self.kv_cache.data[:, :, blocks] = saved
         return time.perf_counter() - started
 
-    def _forward(self, sequences: list[SequenceInput]) -> torch.Tensor:
-        """The decoder's last hidden states for the packed tokens: ``[1, T, hidden_size]``."""
+    def _forward(self, sequences: list[SequenceInput], backend: DecoderBackend | None = None) -> torch.Tensor:
+        """The decoder's last hidden states for the packed tokens: ``[1, T, hidden_size]``, run on
+        ``backend`` (default: the serving one, behind its fallback to eager)."""
         token_ids: list[int] = []
         positions: list[int] = []
         for seq in sequences:
@@ -130,17 +144,8 @@ class CausalLMRunner:
         input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = torch.tensor([positions], device=self.device)
         step = self._packed_step(sequences)
-        if self._compiled is not None:
-            try:
-                return self._compiled(input_ids, position_ids, step)
-            except Exception as exc:  # a compiled forward that fails: eager from now on (slots rewrite alike)
-                self._compiled, self.backend = None, "eager"
-                if self.on_fallback is not None:
-                    self.on_fallback("compiled", exc)
-        out = self.decoder(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=self._dummy_mask, use_cache=False, sluice_step=step
-        )
-        return out.last_hidden_state
+        # Slots are rewritten alike when a failed step is rerun on eager.
+        return (backend or self._forward_backend).hidden_states(input_ids, position_ids, step)
 
     def _packed_step(self, sequences: list[SequenceInput]) -> PackedStep:
         """Slot mapping, decode block tables and prefill segments of ``sequences`` (decodes first)."""
@@ -176,15 +181,6 @@ class CausalLMRunner:
             generator = self._generators[seq.seq_id] = make_generator(seq.params, self.device)
         return generator
 
-
-def _compiled_decoder(runner: CausalLMRunner) -> Any:
-    from models.backends.compiled import CompiledDecoder
-
-    return CompiledDecoder(runner.decoder, runner.kv_cache, runner._dummy_mask)
-
-
-# backend name -> factory of the compiled forward (None: call the decoder as loaded).
-BACKENDS: dict[str, Callable[[CausalLMRunner], Any]] = {"eager": lambda runner: None, "compiled": _compiled_decoder}
 
 # A decode in a warm-up step sits at this position: its context spans two blocks.
 _WARM_UP_DECODE_BLOCKS = 2

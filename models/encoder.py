@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from models.backends import EncoderBackend
+from models.backends.base import HiddenStatesBackend
 
 
 class EmbeddingRunner:
     """Runs batches of token id lists through an encoder backend (BERT and kin; see
-    :mod:`models.backends`).
+    :mod:`models.backends`): any :class:`models.backends.base.EncoderBackend`, or one behind a
+    :class:`models.backends.fallback.FallbackRunner`.
 
     Pooling follows the sentence-transformers config in the model folder (``1_Pooling``):
     mean over the attention mask (default) or the CLS token; outputs are L2-normalised when the
@@ -20,7 +22,7 @@ class EmbeddingRunner:
     Called only from the bucket's worker thread.
     """
 
-    def __init__(self, backend: EncoderBackend, pad_token_id: int, device: torch.device | str = "cpu", folder: Path | None = None):
+    def __init__(self, backend: HiddenStatesBackend, pad_token_id: int, device: torch.device | str = "cpu", folder: Path | None = None):
         self.backend = backend
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)

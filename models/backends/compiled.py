@@ -23,14 +23,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from models.attention import ATTENTION_NAME, PackedStep, PrefillSegment, packed_attention, register_attention
-from models.backends import BackendUnavailableError, warm_up_encoder
+from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts, EncoderBackend, EncoderParts, warm_up_encoder
 from models.kv_cache import PagedKVCache
 
 # Columns of CompiledStep.prefill_meta.
@@ -289,9 +289,23 @@ class CompiledDecoder:
         self._decode = torch.compile(_decode_forward, dynamic=True, fullgraph=True)
         self._prefill = torch.compile(_prefill_forward, dynamic=True, fullgraph=True)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
+    name = "compiled"
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
         """Last hidden states ``[1, T, hidden_size]`` of the packed tokens (``input_ids`` and
         ``position_ids`` ``[1, T]`` int64)."""
         forward = self._prefill if step.prefills else self._decode
         with _freezing():
             return forward(self.decoder, input_ids, position_ids, self.attention_mask, CompiledStep.from_packed(step))
+
+
+def _compiled_encoder(parts: EncoderParts) -> EncoderBackend:
+    return CompiledEncoder(parts.model)
+
+
+def _compiled_decoder(parts: DecoderParts) -> DecoderBackend:
+    return CompiledDecoder(parts.decoder, parts.kv_cache, parts.attention_mask)
+
+
+ENCODER_FACTORIES: dict[str, Callable[[EncoderParts], EncoderBackend]] = {"compiled": _compiled_encoder}
+DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {"compiled": _compiled_decoder}

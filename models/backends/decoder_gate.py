@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from models.backends import BackendUnavailableError
+from models.backends.base import BackendUnavailableError
 from models.backends.measure import interleaved_medians_ms
+from models.causal_lm import CausalLMRunner
 from models.step_io import ForwardInput, SamplingParams, SequenceInput
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -73,8 +74,6 @@ def measure_decoder(
         ``candidate_ms`` per shape, ``tokens_identical``, ``build_s``, ``warm_up_s``; or
         ``error`` when it could not be built or run.
     """
-    from models.causal_lm import CausalLMRunner
-
     timed = max(sum(_blocks((context_tokens if n == 1 else 0) + n, block_size) * s for s, n in shapes), 1)
     accuracy = sum(_blocks(len(p) + max_new_tokens, block_size) for p in prompts)
     num_blocks = max(timed, accuracy)

@@ -22,14 +22,14 @@ import inspect
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from models.backends import BackendUnavailableError, Quantization, warm_up_encoder
+from models.backends.base import BackendUnavailableError, EncoderBackend, EncoderParts, Quantization, warm_up_encoder
 from models.backends.onnx_int8 import INT8_RECIPE, Int8Recipe, calibration_feeds, quantize_int8
 
 OUTPUT_NAME = "last_hidden_state"
@@ -101,6 +101,19 @@ class OnnxEncoder:
 
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
         return warm_up_encoder(self, shapes, self.device)
+
+
+def _onnx_encoder(quantization: Quantization) -> Callable[[EncoderParts], EncoderBackend]:
+    def build(parts: EncoderParts) -> EncoderBackend:
+        return OnnxEncoder(parts.model, parts.folder, quantization, parts.cache_dir, parts.num_threads, parts.device)
+
+    return build
+
+
+ENCODER_FACTORIES: dict[str, Callable[[EncoderParts], EncoderBackend]] = {
+    "onnx-fp32": _onnx_encoder("none"),
+    "onnx-int8": _onnx_encoder("int8"),
+}
 
 
 class _LastHiddenState(torch.nn.Module):

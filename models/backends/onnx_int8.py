@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from models.backends import BackendUnavailableError
+from models.backends.base import BackendUnavailableError
 
 @dataclass(frozen=True)
 class Int8Recipe:

@@ -1,17 +1,23 @@
-"""Backend plumbing without models: the run-time fallback to eager, and the config rules for
-``backend`` and ``quantization``."""
+"""Backend plumbing without models: the registry, the one run-time fallback to eager (for
+encoders and decoders alike), and the config rules for ``backend`` and ``quantization``."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from gateway.config import parse_config
 from gateway.errors import ConfigError
-from models.backends import FallbackEncoder
+from models.backends import BackendUnavailableError, EncoderParts, FallbackRunner
+from models.backends.registry import CONFIGURED_KINDS, DECODER_FACTORIES, ENCODER_FACTORIES, build_decoder, build_encoder
 from tests.unit.test_config import config_error, make_config_data
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeEncoder:
@@ -31,13 +37,57 @@ class FakeEncoder:
 def test_a_failing_backend_hands_the_batch_and_all_later_ones_to_eager_once() -> None:
     primary, eager = FakeEncoder("onnx-fp32", fail_on_call=2), FakeEncoder("eager")
     failures: list[tuple[str, str]] = []
-    backend = FallbackEncoder(primary, eager, lambda name, exc: failures.append((name, str(exc))))
+    backend = FallbackRunner(primary, eager, lambda name, exc: failures.append((name, str(exc))))
     ids = torch.ones((2, 3), dtype=torch.long)
     assert backend.name == "onnx-fp32" and backend.hidden_states(ids, ids)[0, 0, 0] == len("onnx-fp32")
     assert backend.hidden_states(ids, ids)[0, 0, 0] == len("eager")  # the failed batch still gets an answer
     assert backend.hidden_states(ids, ids)[0, 0, 0] == len("eager")
     assert backend.name == "eager" and failures == [("onnx-fp32", "session lost")]
     assert (primary.calls, eager.calls) == (2, 2)  # the primary is not tried again
+
+
+class FakeDecoder:
+    """A decoder backend's interface (``hidden_states(input_ids, position_ids, step)``)."""
+
+    def __init__(self, name: str, fail: bool = False):
+        self.name, self.fail, self.calls = name, fail, 0
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: object) -> torch.Tensor:
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("inductor kernel crashed")
+        return torch.full((1, input_ids.shape[1], 2), float(len(self.name)))
+
+
+def test_the_same_fallback_wraps_a_decoder_and_passes_every_input_through() -> None:
+    primary, eager = FakeDecoder("compiled", fail=True), FakeDecoder("eager")
+    failures: list[str] = []
+    backend = FallbackRunner(primary, eager, lambda name, exc: failures.append(name))
+    ids = torch.ones((1, 5), dtype=torch.long)
+    assert backend.hidden_states(ids, ids, step=None).shape == (1, 5, 2)
+    assert backend.hidden_states(ids, ids, None)[0, 0, 0] == len("eager")
+    assert (primary.calls, eager.calls, failures, backend.name) == (1, 2, ["compiled"], "eager")
+    assert backend.active is eager
+
+
+def test_the_registry_maps_every_kind_and_refuses_unknown_ones() -> None:
+    assert set(ENCODER_FACTORIES) == {"eager", "compiled", "onnx-fp32", "onnx-int8"}
+    assert set(DECODER_FACTORIES) == {"eager", "compiled"}
+    assert set(CONFIGURED_KINDS.values()) <= set(ENCODER_FACTORIES)
+    assert CONFIGURED_KINDS[("onnx", "int8")] == "onnx-int8"
+    parts = EncoderParts(model=None, folder=Path("."), cache_dir=Path("."), num_threads=1, device="cpu")
+    with pytest.raises(BackendUnavailableError, match="unknown encoder backend 'tensorrt'"):
+        build_encoder("tensorrt", parts)
+    with pytest.raises(BackendUnavailableError, match="unknown decoder backend 'onnx-fp32'"):
+        build_decoder("onnx-fp32", None)  # type: ignore[arg-type]
+
+
+def test_building_the_registry_loads_no_optional_library() -> None:
+    """Importing every backend module stays cheap: ONNX Runtime loads only when an ONNX
+    backend is built (run in a fresh interpreter, where nothing else imported it)."""
+    code = "import sys, models.backends.registry; print('onnxruntime' in sys.modules, 'onnx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.split() == ["False", "False"]
 
 
 def with_bucket(model: int, **fields: object) -> dict[str, object]:

@@ -171,21 +171,47 @@ def test_compiled_decoder_gives_eager_greedy_tokens_keeps_to_its_pool_and_warms_
     assert bool(other.kv_cache.data.any())
 
 
-def test_a_failing_compiled_step_is_rerun_eager_and_the_runner_stays_eager(decoder_case: Any) -> None:
+class BrokenDecoder:
+    """A decoder backend whose every step fails at run time (no compile needed)."""
+
+    name = "broken"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def hidden_states(self, *inputs: Any) -> torch.Tensor:
+        self.calls += 1
+        raise RuntimeError("inductor kernel crashed")
+
+
+def test_a_failing_backend_step_is_rerun_eager_and_the_runner_stays_eager(decoder_case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from models.backends.registry import DECODER_FACTORIES
     from models.causal_lm import CausalLMRunner
 
     loaded, prompts, num_blocks, want = decoder_case
-
-    runner = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend="compiled")
-    calls: list[int] = []
-
-    def broken(*args: Any) -> torch.Tensor:
-        calls.append(1)
-        raise RuntimeError("inductor kernel crashed")
-
-    runner._compiled = broken  # a compiled graph that fails at run time (no compile needed)
+    broken = BrokenDecoder()
+    monkeypatch.setitem(DECODER_FACTORIES, "broken", lambda parts: broken)  # registered as any kind is
     failures: list[tuple[str, str]] = []
-    runner.on_fallback = lambda name, exc: failures.append((name, str(exc)))
+    runner = CausalLMRunner(
+        loaded.model, num_blocks, BLOCK_SIZE, backend="broken", on_fallback=lambda name, exc: failures.append((name, str(exc)))
+    )
+    assert runner.backend == "broken"
     assert greedy(runner, prompts, MAX_NEW_TOKENS) == want  # the failed step still gives its tokens
-    assert failures == [("compiled", "inductor kernel crashed")] and len(calls) == 1
+    assert failures == [("broken", "inductor kernel crashed")] and broken.calls == 1
     assert runner.backend == "eager"
+
+
+def test_a_backend_failing_at_warm_up_raises_unavailable_instead_of_falling_back(decoder_case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from models.backends import BackendUnavailableError
+    from models.backends.registry import DECODER_FACTORIES
+    from models.causal_lm import CausalLMRunner
+
+    loaded, _, num_blocks, _ = decoder_case
+    monkeypatch.setitem(DECODER_FACTORIES, "broken", lambda parts: BrokenDecoder())
+    failures: list[str] = []
+    runner = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend="broken", on_fallback=lambda name, exc: failures.append(name))
+    runner.kv_cache.data.normal_()
+    before = runner.kv_cache.data.clone()
+    with pytest.raises(BackendUnavailableError, match="broken decoder backend failed: RuntimeError: inductor kernel crashed"):
+        runner.warm_up([(1, 1), (1, 8)])
+    assert failures == [] and torch.equal(runner.kv_cache.data, before)

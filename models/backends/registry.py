@@ -1,0 +1,58 @@
+"""The backend registry: a kind (``eager``, ``compiled``, ``onnx-fp32``, ``onnx-int8``) to a
+factory, for encoders and for decoders.
+
+Each backend module registers its own kinds (its ``ENCODER_FACTORIES`` / ``DECODER_FACTORIES``);
+this module only merges them. Importing a backend module is cheap: the heavy libraries
+(ONNX Runtime, onnx, TorchInductor) are imported when a factory first builds a backend, so a
+gateway that never runs a kind never loads its library. A new kind is one more module and one
+more line here; nothing in ``gateway/`` or the runners changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from models.backends import compiled, eager, onnx
+from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts, EncoderBackend, EncoderParts
+
+ENCODER_FACTORIES: dict[str, Callable[[EncoderParts], EncoderBackend]] = {
+    **eager.ENCODER_FACTORIES,
+    **compiled.ENCODER_FACTORIES,
+    **onnx.ENCODER_FACTORIES,
+}
+DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
+    **eager.DECODER_FACTORIES,
+    **compiled.DECODER_FACTORIES,
+}
+# A bucket's configured ``(backend, quantization)`` to the kind it runs (``auto`` goes to a gate).
+CONFIGURED_KINDS: dict[tuple[str, str], str] = {
+    ("eager", "none"): "eager",
+    ("compiled", "none"): "compiled",
+    ("onnx", "none"): "onnx-fp32",
+    ("onnx", "int8"): "onnx-int8",
+}
+
+
+def build_encoder(kind: str, parts: EncoderParts) -> EncoderBackend:
+    """The encoder backend of ``kind``, built (not yet warmed) from ``parts``.
+
+    Raises:
+        BackendUnavailableError: an unknown kind, or it cannot be built here.
+    """
+    factory = ENCODER_FACTORIES.get(kind)
+    if factory is None:
+        raise BackendUnavailableError(f"unknown encoder backend {kind!r} (known: {', '.join(sorted(ENCODER_FACTORIES))})")
+    return factory(parts)
+
+
+def build_decoder(kind: str, parts: DecoderParts) -> DecoderBackend:
+    """The decoder backend of ``kind`` over the runner's ``parts`` (compiled lazily: the runner's
+    warm-up compiles it).
+
+    Raises:
+        BackendUnavailableError: an unknown kind, or it cannot be built here.
+    """
+    factory = DECODER_FACTORIES.get(kind)
+    if factory is None:
+        raise BackendUnavailableError(f"unknown decoder backend {kind!r} (known: {', '.join(sorted(DECODER_FACTORIES))})")
+    return factory(parts)
