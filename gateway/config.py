@@ -200,7 +200,11 @@ class GateConfig(_Strict):
     min_cosine: float = Field(default=0.999, gt=0, le=1)
     min_cosine_quantized: float = Field(default=0.99, gt=0, le=1)
     min_top1_agreement: float = Field(default=0.99, gt=0, le=1)
-    # Timed runs per backend and shape (their median counts), interleaved across backends.
+    # Two-sided level of the bootstrap interval of the per-repeat speed-ups whose lower end
+    # must reach min_speedup (policies/gating.py).
+    confidence: float = Field(default=0.95, ge=0.5, lt=1)
+    # Timed runs per backend and shape, interleaved across backends: each repeat is one paired
+    # sample of the speed-up (their medians are what the tables show).
     repeats: int = Field(default=7, ge=1, le=1000)
     # Candidates an auto bucket is gated over (those a model's task cannot run are skipped).
     candidates: list[Literal["compiled", "onnx-fp32", "onnx-int8"]] = ["compiled", "onnx-fp32", "onnx-int8"]

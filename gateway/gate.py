@@ -1,12 +1,15 @@
 """Backend gates at a bucket's shapes: measure, judge (:mod:`policies.gating`), record, reuse.
 
 A gate run builds every candidate backend a bucket could use, measures it against ``eager`` at
-the bucket's shapes (latency per batch, medians of interleaved runs) and for accuracy, and
-writes a JSON record to ``<cache_dir>/gates/<model>/<bucket>.json``: the machine, the library
+the bucket's shapes (latency per batch, every repeat of interleaved runs, and their medians)
+and for accuracy, and writes a JSON record to ``<cache_dir>/gates/<model>/<bucket>.json``: the machine, the library
 versions, the shapes, every figure, each verdict and the chosen backend. A record counts only
 while its ``key`` (machine, versions, model files, dtype, shapes) equals the current one;
 otherwise it is stale and the gate runs again. Verdicts are re-judged from the stored figures
-with the current thresholds, so changing a threshold needs no new measurement.
+with the current thresholds, so changing a threshold needs no new measurement. A record without
+per-repeat figures (version 1, before confidence bounds) is stale by its key, so it is gated
+again (at start with ``gate.run_at_start``, else the bucket runs eager); were such figures
+judged anyway, :func:`policies.gating.judge` refuses them.
 
 Shapes:
     dynamic (encoder) bucket: ``(batch, max_input_tokens)`` for batch 1, a quarter and all of
@@ -35,7 +38,7 @@ from gateway.config import BucketConfig, ContinuousBatcherConfig, GateConfig, Mo
 from models.backends.base import BackendUnavailableError, EncoderBackend, EncoderParts
 from models.backends.decoder_gate import measure_decoder
 from models.backends.eager import EagerEncoder
-from models.backends.measure import batched, interleaved_medians_ms, min_cosine
+from models.backends.measure import batched, interleaved_times_ms, latency_fields, min_cosine
 from models.backends.registry import build_encoder
 from models.encoder import EmbeddingRunner
 from models.loader import LoadedModel
@@ -43,7 +46,8 @@ from policies.gating import GateThresholds, Measurement, Verdict, choose_backend
 
 log = structlog.get_logger(__name__)
 
-RECORD_VERSION = 1
+# 2: per-repeat latencies (records of version 1 have medians only: stale, so gated again).
+RECORD_VERSION = 2
 # The fixed accuracy set: varied topics and lengths (the longest are cut to the bucket's limit).
 GATE_TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -156,14 +160,22 @@ def save_record(path: Path, record: dict[str, Any]) -> None:
 
 
 def thresholds(config: GateConfig) -> GateThresholds:
-    return GateThresholds(config.min_speedup, config.min_cosine, config.min_cosine_quantized, config.min_top1_agreement)
+    """The thresholds of :mod:`policies.gating` that ``config`` sets."""
+    return GateThresholds(
+        config.min_speedup, config.min_cosine, config.min_cosine_quantized, config.min_top1_agreement, config.confidence
+    )
 
 
 def verdicts(record: dict[str, Any], config: GateConfig) -> list[Verdict]:
     """Each candidate of ``record`` judged with ``config``'s thresholds."""
     fields = set(Measurement.__dataclass_fields__)
-    measured = [Measurement(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items() if k in fields}) for c in record["candidates"]]
+    measured = [Measurement(**{k: _tuples(v) for k, v in c.items() if k in fields}) for c in record["candidates"]]
     return [judge(m, thresholds(config)) for m in measured]
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists (nested too) as the tuples :class:`Measurement` holds."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
@@ -190,7 +202,10 @@ def run_gate(
         "gate_s": round(time.perf_counter() - started, 3),
     }
     judged = verdicts(record, config)
-    record["verdicts"] = [{"backend": v.backend, "enabled": v.enabled, "speedup": v.speedup, "reasons": list(v.reasons)} for v in judged]
+    record["verdicts"] = [
+        {"backend": v.backend, "enabled": v.enabled, "speedup": v.speedup, "speedup_low": v.speedup_low, "reasons": list(v.reasons)}
+        for v in judged
+    ]
     record["chosen"] = choose_backend(judged)
     record["thresholds"] = thresholds(config).__dict__
     return record
@@ -231,7 +246,7 @@ def _gate_encoder(
     ids = _token_ids(loaded, max(seq for _, seq in shapes))
     inputs = [(ids[:, :seq].expand(batch, seq).contiguous(), torch.ones((batch, seq), dtype=torch.long)) for batch, seq in shapes]
     calls = {name: (lambda i, b=b: b.hidden_states(*inputs[i])) for name, b in backends.items()}
-    medians = interleaved_medians_ms(calls, len(shapes), config.repeats)
+    times = interleaved_times_ms(calls, len(shapes), config.repeats)
     texts = [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS]
     pad_id = loaded.tokenizer.pad_token_id or 0
     max_batch = bucket.batcher.max_batch_size  # type: ignore[union-attr]
@@ -249,8 +264,7 @@ def _gate_encoder(
         except Exception as exc:  # a backend that fails at run time is refused, with the reason
             results[name]["error"] = f"{type(exc).__name__}: {exc}"
             continue
-        results[name]["eager_ms"] = [round(ms, 3) for ms in medians["eager"]]
-        results[name]["candidate_ms"] = [round(ms, 3) for ms in medians[name]]
+        results[name].update(latency_fields(times["eager"], times[name]))
     return list(results.values())
 
 
@@ -286,6 +300,7 @@ def summary(record: dict[str, Any] | None, config: GateConfig) -> dict[str, Any]
             "backend": candidate["backend"],
             "enabled": verdict.enabled,
             "speedup": None if verdict.speedup is None else round(verdict.speedup, 3),
+            "speedup_low": None if verdict.speedup_low is None else round(verdict.speedup_low, 3),
             "min_cosine": candidate.get("min_cosine"),
             "tokens_identical": candidate.get("tokens_identical"),
             "reasons": list(verdict.reasons),

@@ -1,14 +1,22 @@
-"""Backend gates: enable a faster backend for a bucket only on a recorded win.
+"""Backend gates: enable a faster backend for a bucket only on a recorded, confident win.
 
 The seed's rule: compilation and quantisation are measured before they are trusted. For each
 candidate backend a gate run measures, at the bucket's shapes, the latency per batch of the
-candidate and of ``eager`` (medians of interleaved runs) and the candidate's accuracy against
-``eager``. This module turns those plain numbers into a verdict:
+candidate and of ``eager`` (interleaved repeats: in repeat ``r`` both ran side by side) and the
+candidate's accuracy against ``eager``. This module turns those plain numbers into a verdict:
 
-- **speed**: the speed-up at a shape is ``eager_ms / candidate_ms``; the candidate's speed-up is
-  the geometric mean over shapes, and it must be at least ``min_speedup`` with no shape slower
-  than eager (a backend that wins on average but loses at one of the bucket's shapes would make
-  that shape's requests slower);
+- **speed**: the speed-up at a shape is ``eager_ms / candidate_ms`` of the medians; the
+  candidate's speed-up is the geometric mean over shapes, and it must be at least
+  ``min_speedup`` with no shape slower than eager (a backend that wins on average but loses at
+  one of the bucket's shapes would make that shape's requests slower);
+- **confidence**: on a shared machine one lucky run is not a win. Repeat ``r`` gives one paired
+  sample of the speed-up, the geometric mean over shapes of ``eager[s][r] / candidate[s][r]``.
+  A percentile bootstrap of the geometric mean of those samples (:data:`BOOTSTRAP_RESAMPLES`
+  resamples with replacement, drawn by a generator seeded with :data:`BOOTSTRAP_SEED`, so the
+  same figures always give the same verdict) gives a two-sided ``confidence`` interval; its
+  lower end, the ``(1 - confidence) / 2`` quantile of the resampled means, must be at least
+  ``min_speedup`` too. A candidate whose median wins but whose repeats scatter is refused;
+  figures without repeats are refused;
 - **accuracy**: embeddings need a minimum cosine to eager of at least ``min_cosine`` (FP32) or
   ``min_cosine_quantized`` (INT8); generation needs identical greedy tokens (FP32) or a top-1
   agreement of at least ``min_top1_agreement`` (quantised);
@@ -20,17 +28,25 @@ candidate and of ``eager`` (medians of interleaved runs) and the candidate's acc
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+# A geometric mean of equal ratios may land an ulp below their value.
+_ROUND_OFF = 1e-12
 
 
 @dataclass(frozen=True)
 class GateThresholds:
-    """What a candidate must show. Ratios are plain numbers (1.2 = 20% faster)."""
+    """What a candidate must show. Ratios are plain numbers (1.2 = 20% faster); ``confidence``
+    is the two-sided level of the bootstrap interval whose lower end must reach ``min_speedup``."""
 
     min_speedup: float = 1.2
     min_cosine: float = 0.999
     min_cosine_quantized: float = 0.99
     min_top1_agreement: float = 0.99
+    confidence: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,8 @@ class Measurement:
         backend: the candidate's label (``compiled``, ``onnx-fp32``, ``onnx-int8``).
         quantized: whether its weights are quantised (looser accuracy bound).
         eager_ms, candidate_ms: median latency per batch in ms, one entry per shape, same order.
+        eager_repeats_ms, candidate_repeats_ms: every repeat's latency in ms, per shape (same
+            order), then per repeat; repeat ``r`` of both ran side by side.
         min_cosine: embeddings: the smallest cosine similarity to eager's embeddings.
         tokens_identical: generation, unquantised: greedy tokens equal eager's everywhere.
         top1_agreement: generation, quantised: share of positions whose argmax equals eager's.
@@ -51,6 +69,8 @@ class Measurement:
     quantized: bool = False
     eager_ms: tuple[float, ...] = ()
     candidate_ms: tuple[float, ...] = ()
+    eager_repeats_ms: tuple[tuple[float, ...], ...] = ()
+    candidate_repeats_ms: tuple[tuple[float, ...], ...] = ()
     min_cosine: float | None = None
     tokens_identical: bool | None = None
     top1_agreement: float | None = None
@@ -60,12 +80,14 @@ class Measurement:
 @dataclass(frozen=True)
 class Verdict:
     """A gate's decision for one candidate: ``enabled``, its speed-up (geometric mean over
-    shapes, ``None`` when not measured) and the reasons, one line each."""
+    shapes, ``None`` when not measured), the reasons, one line each, and the lower end of the
+    speed-up's bootstrap interval (``None`` when not computed)."""
 
     backend: str
     enabled: bool
     speedup: float | None
     reasons: tuple[str, ...] = field(default_factory=tuple)
+    speedup_low: float | None = None
 
 
 def speedups(measurement: Measurement) -> list[float]:
@@ -74,11 +96,40 @@ def speedups(measurement: Measurement) -> list[float]:
     Raises:
         ValueError: the two latency lists differ in length, or a latency is not positive.
     """
-    if len(measurement.eager_ms) != len(measurement.candidate_ms):
-        raise ValueError(f"{measurement.backend}: {len(measurement.eager_ms)} eager latencies, {len(measurement.candidate_ms)} candidate")
-    if any(not ms > 0 for ms in (*measurement.eager_ms, *measurement.candidate_ms)):
-        raise ValueError(f"{measurement.backend}: latencies must be positive")
-    return [e / c for e, c in zip(measurement.eager_ms, measurement.candidate_ms)]
+    return _ratios(measurement.backend, measurement.eager_ms, measurement.candidate_ms)
+
+
+def repeat_speedups(measurement: Measurement) -> list[float]:
+    """Per repeat, the geometric mean over shapes of ``eager / candidate`` in that repeat
+    (empty when the measurement has no per-repeat figures).
+
+    Raises:
+        ValueError: the shapes or repeats of the two differ in number, or a latency is not positive.
+    """
+    eager, candidate = measurement.eager_repeats_ms, measurement.candidate_repeats_ms
+    if len(eager) != len(candidate) or (eager and len(eager) != len(measurement.eager_ms)):
+        raise ValueError(f"{measurement.backend}: {len(eager)} shapes of eager repeats, {len(candidate)} of candidate, "
+                         f"{len(measurement.eager_ms)} of medians")
+    per_shape = [_ratios(measurement.backend, e, c) for e, c in zip(eager, candidate)]
+    if len({len(r) for r in per_shape}) > 1:
+        raise ValueError(f"{measurement.backend}: shapes differ in their number of repeats")
+    return [_geometric_mean(list(repeat)) for repeat in zip(*per_shape)]
+
+
+def bootstrap_lower_bound(samples: list[float], confidence: float) -> float:
+    """The lower end of the two-sided ``confidence`` percentile-bootstrap interval of the
+    geometric mean of ``samples`` (positive ratios); seeded, so it is reproducible.
+
+    Raises:
+        ValueError: ``samples`` is empty or ``confidence`` is not in (0, 1).
+    """
+    if not samples or not 0 < confidence < 1:
+        raise ValueError(f"need samples and a confidence in (0, 1), got {len(samples)} samples, {confidence}")
+    logs = [math.log(x) for x in samples]
+    rng = random.Random(BOOTSTRAP_SEED)
+    means = sorted(math.fsum(rng.choices(logs, k=len(logs))) / len(logs) for _ in range(BOOTSTRAP_RESAMPLES))
+    index = min(len(means) - 1, int((1 - confidence) / 2 * len(means)))
+    return math.exp(means[index])
 
 
 def judge(measurement: Measurement, thresholds: GateThresholds) -> Verdict:
@@ -89,18 +140,38 @@ def judge(measurement: Measurement, thresholds: GateThresholds) -> Verdict:
     ratios = speedups(measurement)
     if not ratios:
         return Verdict(name, False, None, ("no shape was measured",))
-    speedup = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    reasons = []
-    fast = speedup >= thresholds.min_speedup and min(ratios) >= 1.0
-    if speedup < thresholds.min_speedup:
-        reasons.append(f"speed-up {speedup:.2f}x below {thresholds.min_speedup:.2f}x")
-    elif min(ratios) < 1.0:
-        reasons.append(f"slower than eager at a shape ({min(ratios):.2f}x)")
-    else:
-        reasons.append(f"speed-up {speedup:.2f}x (at least {thresholds.min_speedup:.2f}x, every shape >= 1.0x)")
+    speedup = _geometric_mean(ratios)
+    repeats = repeat_speedups(measurement)
+    low = bootstrap_lower_bound(repeats, thresholds.confidence) if repeats else None
+    speed_ok, speed_reason = _speed(speedup, min(ratios), low, thresholds)
     accurate, accuracy_reason = _accuracy(measurement, thresholds)
-    reasons.append(accuracy_reason)
-    return Verdict(name, fast and accurate, speedup, tuple(reasons))
+    return Verdict(name, speed_ok and accurate, speedup, (speed_reason, accuracy_reason), low)
+
+
+def _speed(speedup: float, slowest: float, low: float | None, t: GateThresholds) -> tuple[bool, str]:
+    bound = t.min_speedup - _ROUND_OFF
+    level = f"{t.confidence:.0%}"
+    if speedup < bound:
+        return False, f"speed-up {speedup:.2f}x below {t.min_speedup:.2f}x"
+    if slowest < 1.0:
+        return False, f"slower than eager at a shape ({slowest:.2f}x)"
+    if low is None:
+        return False, f"speed-up {speedup:.2f}x, but no per-repeat figures to bound it: run the gate again"
+    if low < bound:
+        return False, f"speed-up {speedup:.2f}x, but its {level} lower bound {low:.2f}x is below {t.min_speedup:.2f}x (too noisy)"
+    return True, f"speed-up {speedup:.2f}x, {level} lower bound {low:.2f}x (at least {t.min_speedup:.2f}x, every shape >= 1.0x)"
+
+
+def _ratios(backend: str, eager_ms: tuple[float, ...], candidate_ms: tuple[float, ...]) -> list[float]:
+    if len(eager_ms) != len(candidate_ms):
+        raise ValueError(f"{backend}: {len(eager_ms)} eager latencies, {len(candidate_ms)} candidate")
+    if any(not ms > 0 for ms in (*eager_ms, *candidate_ms)):
+        raise ValueError(f"{backend}: latencies must be positive")
+    return [e / c for e, c in zip(eager_ms, candidate_ms)]
+
+
+def _geometric_mean(values: list[float]) -> float:
+    return math.exp(math.fsum(math.log(v) for v in values) / len(values))
 
 
 def _accuracy(m: Measurement, t: GateThresholds) -> tuple[bool, str]:

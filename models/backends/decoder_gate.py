@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from models.backends.base import BackendUnavailableError
-from models.backends.measure import interleaved_medians_ms
+from models.backends.measure import interleaved_times_ms, latency_fields
 from models.causal_lm import CausalLMRunner
 from models.step_io import ForwardInput, SamplingParams, SequenceInput
 
@@ -70,9 +70,9 @@ def measure_decoder(
     """Gate figures for each decoder candidate (``compiled``) against eager.
 
     Returns:
-        One dict per candidate: ``backend``, ``quantized`` (False), ``eager_ms`` and
-        ``candidate_ms`` per shape, ``tokens_identical``, ``build_s``, ``warm_up_s``; or
-        ``error`` when it could not be built or run.
+        One dict per candidate: ``backend``, ``quantized`` (False), the latency figures of
+        :func:`models.backends.measure.latency_fields`, ``tokens_identical``, ``build_s``,
+        ``warm_up_s``; or ``error`` when it could not be built or run.
     """
     timed = max(sum(_blocks((context_tokens if n == 1 else 0) + n, block_size) * s for s, n in shapes), 1)
     accuracy = sum(_blocks(len(p) + max_new_tokens, block_size) for p in prompts)
@@ -93,7 +93,7 @@ def measure_decoder(
     steps = [step_sequences(shape, context_tokens, block_size) for shape in tuples]
     calls = {name: (lambda i, r=r: r.run(ForwardInput(steps[i]))) for name, r in runners.items()}
     with torch.inference_mode():
-        medians = interleaved_medians_ms(calls, len(tuples), repeats)
+        times = interleaved_times_ms(calls, len(tuples), repeats)
     reference = greedy_tokens(runners["eager"], prompts, max_new_tokens)
     for name, runner in runners.items():
         if name == "eager":
@@ -103,6 +103,5 @@ def measure_decoder(
         except Exception as exc:  # a backend failing at run time is refused, with the reason
             results[name]["error"] = f"{type(exc).__name__}: {exc}"
             continue
-        results[name]["eager_ms"] = [round(ms, 3) for ms in medians["eager"]]
-        results[name]["candidate_ms"] = [round(ms, 3) for ms in medians[name]]
+        results[name].update(latency_fields(times["eager"], times[name]))
     return list(results.values())

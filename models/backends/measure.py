@@ -1,8 +1,10 @@
-"""Measurements a backend gate needs: interleaved latency medians and accuracy against eager.
+"""Measurements a backend gate needs: interleaved latencies and accuracy against eager.
 
 Interleaving: each repeat runs every backend once at a shape, in a rotated order, so a drift in
 the machine's speed (another process, thermal state) is shared by all backends instead of
-landing on whichever ran last. The median of the repeats is reported.
+landing on whichever ran last. Every repeat's time is kept: repeat ``r`` of two backends ran
+side by side, so their ratio is one paired sample of the speed-up (:mod:`policies.gating`
+bounds it with a confidence interval); the median of the repeats is what tables show.
 """
 
 from __future__ import annotations
@@ -15,16 +17,16 @@ import torch
 import torch.nn.functional as F
 
 
-def interleaved_medians_ms(
+def interleaved_times_ms(
     calls: dict[str, Callable[[int], object]], num_shapes: int, repeats: int
-) -> dict[str, list[float]]:
-    """Median wall time in ms of ``calls[name](shape_index)`` per backend and shape.
+) -> dict[str, list[list[float]]]:
+    """Wall time in ms of every timed ``calls[name](shape_index)``, per backend, shape and repeat.
 
     Every call runs once untimed per shape first (warm caches, lazy set-up), then ``repeats``
     timed rounds, the order of backends rotating each round.
 
     Returns:
-        ``{name: [median ms for shape 0, shape 1, ...]}``.
+        ``{name: [[ms of repeat 0, 1, ...] for shape 0, [...] for shape 1, ...]}``.
     """
     names = list(calls)
     times: dict[str, list[list[float]]] = {n: [[] for _ in range(num_shapes)] for n in names}
@@ -37,7 +39,19 @@ def interleaved_medians_ms(
                 started = time.perf_counter()
                 calls[name](shape)
                 times[name][shape].append((time.perf_counter() - started) * 1000)
-    return {name: [statistics.median(samples) for samples in per_shape] for name, per_shape in times.items()}
+    return times
+
+
+def latency_fields(eager: list[list[float]], candidate: list[list[float]]) -> dict[str, list[float] | list[list[float]]]:
+    """A candidate's latency figures for its gate record, in ms rounded to µs: per shape the
+    medians (``eager_ms``, ``candidate_ms``) and every repeat (``eager_repeats_ms``,
+    ``candidate_repeats_ms``), as :class:`policies.gating.Measurement` takes them."""
+    return {
+        "eager_ms": [round(statistics.median(shape), 3) for shape in eager],
+        "candidate_ms": [round(statistics.median(shape), 3) for shape in candidate],
+        "eager_repeats_ms": [[round(ms, 3) for ms in shape] for shape in eager],
+        "candidate_repeats_ms": [[round(ms, 3) for ms in shape] for shape in candidate],
+    }
 
 
 def min_cosine(reference: torch.Tensor, candidate: torch.Tensor) -> float:
