@@ -12,9 +12,14 @@ Bytes per token follow the usual formula ``2 * num_layers * num_kv_heads * head_
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
+import structlog
 import torch
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,12 @@ class PagedKVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(
-            (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim), dtype=dtype, device=device
-        )
+        dims = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        num_bytes = math.prod(dims) * dtype.itemsize
+        log.info("kv_pool_allocation_started", num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_bytes, device=str(device))
+        started = time.perf_counter()
+        self.data = torch.zeros(dims, dtype=dtype, device=device)
+        log.info("kv_pool_allocation_finished", kv_cache_bytes=num_bytes, duration_s=round(time.perf_counter() - started, 3))
         # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]: slots in one flat dim.
         self._slots = self.data.view(shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
 

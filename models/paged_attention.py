@@ -22,6 +22,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -242,7 +243,12 @@ def build_directory() -> Path:
 
 
 def build_extension() -> ModuleType:
-    """Compile (or reuse the cached build of) the kernel and import it; raises on any failure."""
+    """Compile (or reuse the cached build of) the kernel and import it; raises on any failure.
+
+    Logs ``kernel_build_started`` and ``kernel_build_finished`` with ``duration_s`` and
+    ``cached`` (the binary was already built: only loaded), the first build on a machine takes
+    about a minute on two cores.
+    """
     import fcntl
 
     from torch.utils.cpp_extension import load
@@ -250,6 +256,10 @@ def build_extension() -> ModuleType:
     _put_ninja_on_path()
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    binary = directory / f"{EXTENSION_NAME}.so"
+    built_before = binary.stat().st_mtime_ns if binary.exists() else None
+    log.info("kernel_build_started", kernel=EXTENSION_NAME, build_directory=str(directory))
+    started = time.perf_counter()
     with open(directory / _BUILD_LOCK_NAME, "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         # Holding our lock, no other process is inside load(): a torch lock file is a leftover.
@@ -263,6 +273,8 @@ def build_extension() -> ModuleType:
                 build_directory=str(directory),
                 verbose=False,
             )
+    is_cached = built_before is not None and binary.stat().st_mtime_ns == built_before
+    log.info("kernel_build_finished", kernel=EXTENSION_NAME, cached=is_cached, duration_s=round(time.perf_counter() - started, 3))
     return module
 
 

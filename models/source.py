@@ -19,9 +19,14 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
+import structlog
+
 from models.errors import ModelSourceError
+
+log = structlog.get_logger(__name__)
 
 PACKAGE_PREFIX = "pkg:"
 
@@ -68,6 +73,15 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     folder = gguf_cache_folder(gguf_path, cache_dir)
     if (folder / "config.json").exists():
         return folder
+    log.info("gguf_conversion_started", gguf=str(gguf_path), folder=str(folder))
+    started = time.perf_counter()
+    _convert(gguf_path, folder)
+    log.info("gguf_conversion_finished", gguf=str(gguf_path), folder=str(folder), duration_s=round(time.perf_counter() - started, 3))
+    return folder
+
+
+def _convert(gguf_path: Path, folder: Path) -> None:
+    """Dequantise ``gguf_path`` into a safetensors model folder written as ``folder``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,7 +106,6 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         if not (folder / "config.json").exists():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 def model_folder(source: str, cache_dir: Path) -> Path:
