@@ -39,7 +39,7 @@ from models.backends.base import BackendUnavailableError, EncoderBackend, Encode
 from models.backends.decoder_gate import measure_decoder
 from models.backends.eager import EagerEncoder
 from models.backends.measure import batched, interleaved_times_ms, latency_fields, min_cosine
-from models.backends.registry import build_encoder
+from models.backends.registry import DECODER_FACTORIES, build_encoder
 from models.encoder import EmbeddingRunner
 from models.loader import LoadedModel
 from policies.gating import GateThresholds, Measurement, Verdict, choose_backend, judge
@@ -281,7 +281,7 @@ def _gate_decoder(loaded: LoadedModel, bucket: BucketConfig, config: GateConfig)
     batcher = bucket.batcher
     assert isinstance(batcher, ContinuousBatcherConfig)
     prompts = [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS[:8]]
-    candidates = [c for c in config.candidates if c == "compiled"]
+    candidates = [c for c in config.candidates if c in DECODER_FACTORIES and c != "eager"]
     return measure_decoder(
         loaded.model, decoder_shapes(bucket), bucket.max_input_tokens, batcher.block_size, candidates, config.repeats, prompts
     )
