@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 
 def interleaved_times_ms(
-    calls: dict[str, Callable[[int], object]], num_shapes: int, repeats: int
+    calls: Mapping[str, Callable[..., object]], num_shapes: int, repeats: int
 ) -> dict[str, list[list[float]]]:
     """Wall time in ms of every timed ``calls[name](shape_index)``, per backend, shape and repeat.
 

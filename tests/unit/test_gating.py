@@ -76,7 +76,7 @@ def test_a_noisy_candidate_is_refused_and_a_steady_one_enabled_on_recorded_figur
     assert noisy.speedup is not None and noisy.speedup > T.min_speedup  # its median alone would pass
     assert noisy.speedup_low is not None and noisy.speedup_low < T.min_speedup
     assert not noisy.enabled and "95% lower bound" in noisy.reasons[0] and "too noisy" in noisy.reasons[0]
-    assert steady_verdict.enabled and steady_verdict.speedup_low is not None
+    assert steady_verdict.enabled and steady_verdict.speedup_low is not None and steady_verdict.speedup is not None
     assert T.min_speedup < steady_verdict.speedup_low <= steady_verdict.speedup
     assert "95% lower bound 1.4" in steady_verdict.reasons[0]
     # A lower confidence level asks less: the noisy candidate's bound rises.
