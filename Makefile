@@ -35,6 +35,7 @@ serve: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/sluice serve
 
 test: $(STAMP)
+	$(BIN)/python -m mypy
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
