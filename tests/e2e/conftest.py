@@ -1,7 +1,7 @@
 """Real gateway processes on 127.0.0.1 and Hugging Face references for their models.
 
-A gateway start costs about a minute on a 2-core machine (both models loaded, KV pools
-allocated), so servers are shared: :func:`server_with` starts one per distinct config (the test
+A gateway start costs half a minute to a minute on a 2-core machine (both models loaded, KV
+pools allocated, the C++ kernel loaded), so servers are shared: :func:`server_with` starts one per distinct config (the test
 config with an edit applied) and environment, and keeps it for the session; modules whose tests
 can share a server ask for the same edit. A module that needs a config no other module uses
 starts its own with :func:`run_server` in a module-scoped fixture, stopped when the module ends.
