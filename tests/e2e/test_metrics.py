@@ -155,7 +155,8 @@ def test_responses_carry_bucket_queue_and_prefill_timings(metrics_url: str, stre
 
             first = asyncio.create_task(one())
             await async_wait_for(first_is_running, WAIT_S, "the first request holds the bucket's one sequence")
-            return [await first, await one()]
+            second = asyncio.create_task(one())
+            return [await first, await second]
 
     (first, _), (second, second_e2e_s) = asyncio.run(run())
     for response in (first, second):
