@@ -58,6 +58,7 @@ serve: $(SERVE_STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/sluice serve --config $(CONFIG)
 
 test: $(TEST_STAMP)
+	$(BIN)/python -m mypy
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 bench: $(SERVE_STAMP)

@@ -1,35 +1,53 @@
-"""A real gateway process on 127.0.0.1 and Hugging Face references for its models."""
+"""Real gateway processes on 127.0.0.1 and Hugging Face references for their models.
+
+A gateway start costs half a minute to a minute on a 2-core machine (both models loaded, KV
+pools allocated, the C++ kernel loaded), so servers are shared: :func:`server_with` starts one per distinct config (the test
+config with an edit applied) and environment, and keeps it for the session; modules whose tests
+can share a server ask for the same edit. A module that needs a config no other module uses
+starts its own with :func:`run_server` in a module-scoped fixture, stopped when the module ends.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import pytest
+import yaml
 
 CONFIG = Path(__file__).parent / "config.yaml"
 GENERATE_MODEL = "smollm2-135m-instruct"
 EMBED_MODEL = "all-minilm-l6-v2"
 STARTUP_TIMEOUT_S = 300
+# The bearer token of the shared admin server (see ``admin_server``).
+ADMIN_TOKEN = "e2e-admin-token-5b7c"
+# The admin server's ``drain_retry_after_s``: the Retry-After of a 503 from a draining model.
+DRAIN_RETRY_AFTER_S = 7
+# The small-queue server's limits: its first embedding bucket queues 2 requests, its first
+# generation bucket 1 (see ``small_queues``).
+SMALL_EMBED_QUEUE_LEN = 2
+SMALL_GENERATE_QUEUE_LEN = 1
+# The one-sequence server's ``max_timeout_s``: the largest ``timeout`` a request may ask for.
+MAX_TIMEOUT_S = 120.0
+
+T = TypeVar("T")
+ConfigEdit = Callable[[dict[str, Any]], None]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="session")
-def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the test server writes its stdout and stderr (JSON log lines)."""
-    return tmp_path_factory.mktemp("server") / "server.log"
 
 
 @contextlib.contextmanager
@@ -84,11 +102,139 @@ def run_server_process(
             proc.kill()
 
 
+def wait_for(probe: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.05) -> T:
+    """Call ``probe`` every ``poll_s`` seconds until it returns something truthy, and return that;
+    fail the test with ``what`` and the last value after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := probe()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not true after {timeout_s} s (last: {value!r})")
+        time.sleep(poll_s)
+    return value
+
+
+async def async_wait_for(probe: Callable[[], Awaitable[T]], timeout_s: float, what: str, poll_s: float = 0.05) -> T:
+    """As :func:`wait_for`, for a coroutine ``probe`` inside an event loop."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := await probe()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not true after {timeout_s} s (last: {value!r})")
+        await asyncio.sleep(poll_s)
+    return value
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running gateway: its base URL, its process and the file its log goes to."""
+
+    url: str
+    proc: subprocess.Popen  # type: ignore[type-arg]
+    log_path: Path
+
+
+class ServerPool:
+    """Gateways started from the test config with an edit applied, one per distinct resulting
+    config and environment, kept until :meth:`close` (the session's end)."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp_path_factory = tmp_path_factory
+        self._stack = contextlib.ExitStack()
+        self._servers: dict[tuple[str, tuple[tuple[str, str], ...]], Server] = {}
+
+    def get(self, edit: ConfigEdit | None = None, env: dict[str, str] | None = None) -> Server:
+        """The server for the test config changed in place by ``edit`` and run with ``env``
+        added to the environment; started on first use (fails the test if it does not start)."""
+        config = yaml.safe_load(CONFIG.read_text())
+        if edit is not None:
+            edit(config)
+        text = yaml.safe_dump(config, sort_keys=True)
+        key = (text, tuple(sorted((env or {}).items())))
+        if key not in self._servers:
+            folder = self._tmp_path_factory.mktemp("server")
+            path = folder / "config.yaml"
+            path.write_text(text)
+            log_path = folder / "server.log"
+            url, proc = self._stack.enter_context(run_server_process(path, log_path, env))
+            self._servers[key] = Server(url, proc, log_path)
+        return self._servers[key]
+
+    def close(self) -> None:
+        """Stop every server started."""
+        self._stack.close()
+
+
 @pytest.fixture(scope="session")
-def server_url(server_log: Path) -> Iterator[str]:
-    """Start ``python -m gateway serve`` with the test config; yield its base URL."""
-    with run_server(CONFIG, server_log) as url:
-        yield url
+def server_with(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
+    """``server_with(edit=None, env=None)``: a shared :class:`Server` for the test config with
+    ``edit`` applied (see :meth:`ServerPool.get`). Modules that pass edits giving the same config
+    (and the same ``env``) get the same server, so tests using it leave it as they found it."""
+    pool = ServerPool(tmp_path_factory)
+    yield pool.get
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def default_server(server_with: Callable[..., Server]) -> Server:
+    """The server of the test config as it is."""
+    return server_with()
+
+
+@pytest.fixture(scope="session")
+def server_url(default_server: Server) -> str:
+    """The base URL of the server of the test config."""
+    return default_server.url
+
+
+@pytest.fixture(scope="session")
+def server_log(default_server: Server) -> Path:
+    """Where the test config's server writes its stdout and stderr (JSON log lines)."""
+    return default_server.log_path
+
+
+def drain_retry_after(config: dict[str, Any]) -> None:
+    """The admin server's edit: a draining model's 503s say Retry-After ``DRAIN_RETRY_AFTER_S``."""
+    config["drain_retry_after_s"] = DRAIN_RETRY_AFTER_S
+
+
+@pytest.fixture(scope="session")
+def admin_server(server_with: Callable[..., Server]) -> Server:
+    """The test config with the admin API on (bearer ``ADMIN_TOKEN``) and ``drain_retry_after_s``
+    set: shared by the modules that change models and knobs at run time (admin, bench tune,
+    reconfiguration). Each leaves both models loaded with the test config's bucket names."""
+    return server_with(drain_retry_after, {"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN})
+
+
+def one_sequence_short_bucket(config: dict[str, Any]) -> None:
+    """The generation model's short-prompt bucket (``le48``) runs one sequence at a time, so a
+    second request queues; timeouts up to ``MAX_TIMEOUT_S`` are allowed."""
+    model = next(m for m in config["models"] if m["name"] == GENERATE_MODEL)
+    model["buckets"][0]["batcher"]["max_num_seqs"] = 1
+    model["max_timeout_s"] = MAX_TIMEOUT_S
+
+
+@pytest.fixture(scope="session")
+def one_sequence_server(server_with: Callable[..., Server]) -> Server:
+    """The server of :func:`one_sequence_short_bucket`'s config (metrics and deadlines share it)."""
+    return server_with(one_sequence_short_bucket)
+
+
+def small_queues(config: dict[str, Any]) -> None:
+    """``max_queue_len`` ``SMALL_EMBED_QUEUE_LEN`` on the first embedding bucket (whose batches
+    wait 2 s) and ``SMALL_GENERATE_QUEUE_LEN`` on the first generation bucket (which runs one
+    sequence at a time), so a few requests fill them."""
+    models = {m["name"]: m for m in config["models"]}
+    embed_bucket = models[EMBED_MODEL]["buckets"][0]
+    embed_bucket["max_queue_len"] = SMALL_EMBED_QUEUE_LEN
+    embed_bucket["batcher"]["max_queue_delay_ms"] = 2000
+    generate_bucket = models[GENERATE_MODEL]["buckets"][0]
+    generate_bucket["max_queue_len"] = SMALL_GENERATE_QUEUE_LEN
+    generate_bucket["batcher"]["max_num_seqs"] = 1
+
+
+@pytest.fixture(scope="session")
+def small_queue_server(server_with: Callable[..., Server]) -> Server:
+    """The server of :func:`small_queues`'s config (admission and the dashboards share it)."""
+    return server_with(small_queues)
 
 
 @pytest.fixture(scope="session")

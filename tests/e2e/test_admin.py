@@ -8,35 +8,45 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from gateway.admin import check_admin_token
 from gateway.errors import APIError
-from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, resident_memory_bytes, run_server_process
+from tests.e2e.conftest import (
+    ADMIN_TOKEN,
+    DRAIN_RETRY_AFTER_S,
+    EMBED_MODEL,
+    GENERATE_MODEL,
+    Server,
+    async_wait_for,
+    resident_memory_bytes,
+)
 
-TOKEN = "test-admin-token-5b7c"
+TOKEN = ADMIN_TOKEN
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def admin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any, Path]]:
-    config = yaml.safe_load(CONFIG.read_text())
-    config["drain_retry_after_s"] = 7
-    folder: Path = tmp_path_factory.mktemp("admin")
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log_path = folder / "server.log"
-    with run_server_process(path, log_path, {"SLUICE_ADMIN_TOKEN": TOKEN}) as (url, proc):
-        yield url, proc, log_path
+def server(admin_server: Server) -> Iterator[Server]:
+    """The shared admin server; the generate model that the unload test takes away is loaded
+    again afterwards, with the config it had, for the modules that share the server next."""
+    generate_config = httpx.get(f"{admin_server.url}/admin/models/{GENERATE_MODEL}", headers=AUTH, timeout=30).json()["config"]
+    yield admin_server
+    if GENERATE_MODEL not in httpx.get(f"{admin_server.url}/health", timeout=30).json()["models"]:
+        loaded = httpx.post(f"{admin_server.url}/admin/models", json=generate_config, headers=AUTH, timeout=600)
+        assert loaded.status_code == 201, loaded.text
 
 
-def test_admin_calls_need_the_bearer_token(admin_server: tuple[str, Any, Path]) -> None:
-    url = admin_server[0]
+def _audit(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in lines if '"admin_audit"' in line]
+
+
+def test_admin_calls_need_the_bearer_token(server: Server) -> None:
+    url = server.url
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
         response = httpx.get(f"{url}/admin/models", headers=headers)
         assert response.status_code == 401, headers
@@ -64,17 +74,31 @@ def test_the_admin_api_is_off_without_a_token_unless_loopback_is_allowed() -> No
     check_admin_token(f"Bearer {TOKEN}", TOKEN, "10.1.2.3", allow_loopback=False)
 
 
-def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(admin_server: tuple[str, Any, Path]) -> None:
-    url, proc, log_path = admin_server
+def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(server: Server) -> None:
+    url, proc, log_path = server.url, server.proc, server.log_path
     body = {"model": GENERATE_MODEL, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     rss_before = resident_memory_bytes(proc)
+    num_log_lines_before = len(log_path.read_text().splitlines())
+
+    def new_log_lines() -> list[str]:
+        return log_path.read_text().splitlines()[num_log_lines_before:]
 
     async def run() -> tuple[list[httpx.Response], httpx.Response, list[httpx.Response], float]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             in_flight = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(4)]
-            await asyncio.sleep(1.0)  # admitted and running
+
+            async def admitted_and_running() -> bool:
+                buckets = (await client.get("/stats")).json()[GENERATE_MODEL].values()
+                num_running = sum(b["num_running"] for b in buckets)
+                return num_running >= 1 and num_running + sum(b["num_waiting"] for b in buckets) == len(in_flight)
+
+            await async_wait_for(admitted_and_running, WAIT_S, "the four completions are admitted and running")
             unload = asyncio.create_task(client.delete(f"/admin/models/{GENERATE_MODEL}", headers=AUTH))
-            await asyncio.sleep(0.3)
+
+            async def draining() -> bool:
+                return any(a["after"] == "draining" for a in _audit(new_log_lines()))
+
+            await async_wait_for(draining, WAIT_S, "the unload has started draining the model")
             refused = []
             while not unload.done():
                 refused.append(await client.post("/v1/completions", json=body))
@@ -93,7 +117,7 @@ def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(admin_serve
     for response in refused:
         if response.status_code == 404:
             continue
-        assert response.headers["Retry-After"] == "7"
+        assert response.headers["Retry-After"] == str(DRAIN_RETRY_AFTER_S)
         error = response.json()["error"]
         assert (error["type"], error["code"], error["param"]) == ("service_unavailable_error", "model_unavailable", "model")
     after = httpx.post(f"{url}/v1/completions", json=body)
@@ -104,7 +128,7 @@ def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(admin_serve
     # The generate model's two KV pools (256 MiB together) and its weights (~500 MiB in float32) go.
     print(f"resident memory freed by the unload: {freed / 2**20:.0f} MiB")
     assert freed > 256 * 2**20
-    audit = [json.loads(line) for line in log_path.read_text().splitlines() if '"admin_audit"' in line]
+    audit = _audit(new_log_lines())
     assert [(a["action"], a["before"], a["after"]) for a in audit] == [
         ("unload_model", "ready", "draining"), ("unload_model", "draining", "unloaded"),
     ]

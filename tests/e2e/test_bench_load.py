@@ -7,16 +7,14 @@ batch cap opened, proposes knobs, puts the old ones back, or sets the proposal w
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.cli import main as sluice
-from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+from tests.e2e.conftest import ADMIN_TOKEN, EMBED_MODEL, GENERATE_MODEL, Server
 
-ADMIN_TOKEN = "bench-tune-token"
 CONCURRENCY = [1, 2, 4]
 NUM_REQUESTS = 6
 OUTPUT_LEN = 8
@@ -27,10 +25,9 @@ STEP_FIELDS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder = tmp_path_factory.mktemp("bench_load_server")
-    with run_server(CONFIG, folder / "server.log", env={"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}) as url:
-        yield url
+def server(admin_server: Server) -> str:
+    """The shared admin server (``bench tune`` changes knobs through the admin API)."""
+    return admin_server.url
 
 
 def sweep_args(url: str, output: Path) -> list[str]:

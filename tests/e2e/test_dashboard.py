@@ -14,7 +14,6 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,17 @@ import yaml
 
 from gateway.dashboard import LATENCY_WINDOW_S, percentile, plotly_js_path, summarize
 from gateway.metrics import RequestTiming
-from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, SMALL_GENERATE_QUEUE_LEN, Server, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 DOCS_SCREENSHOT = Path(__file__).parents[2] / "docs" / "dashboard.png"
 BUCKET = "le48"
 CHART_IDS = ("queue", "batch", "ttft", "tpot", "throughput", "kv", "padding", "rejections")
-# Short queue in the bucket under load, so some requests are rejected and the chart shows it.
-MAX_QUEUE_LEN = 2
+# Short queue and one sequence at a time in the bucket under load (the small-queue server shared
+# with the admission tests), so some requests are rejected and the chart shows it.
+MAX_QUEUE_LEN = SMALL_GENERATE_QUEUE_LEN
+MAX_NUM_SEQS = 1
+WAIT_S = 60.0
 NUM_CLIENTS = 6
 MIN_POLLS = 5
 # Polls before the screenshot that goes to the README: longer lines.
@@ -39,17 +41,9 @@ MIN_POLLS_FOR_DOCS = 20
 
 
 @pytest.fixture(scope="module")
-def dashboard_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The test config with two sequences at a time and a short queue in the short generation bucket."""
-    config = yaml.safe_load(CONFIG.read_text())
-    model = next(m for m in config["models"] if m["name"] == GENERATE_MODEL)
-    model["buckets"][0]["batcher"]["max_num_seqs"] = 2
-    model["buckets"][0]["max_queue_len"] = MAX_QUEUE_LEN
-    folder: Path = tmp_path_factory.mktemp("dashboard")
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with run_server(path, folder / "server.log") as url:
-        yield url
+def dashboard_url(small_queue_server: Server) -> str:
+    """A server whose short generation bucket runs one sequence at a time behind a short queue."""
+    return small_queue_server.url
 
 
 class Load:
@@ -122,9 +116,17 @@ def test_index_lists_every_model_and_bucket(dashboard_url: str) -> None:
 
 def test_bucket_api_has_what_the_charts_draw(dashboard_url: str) -> None:
     body = {"model": GENERATE_MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    api_url = f"{dashboard_url}/dashboard/api/{GENERATE_MODEL}/{BUCKET}"
+    num_finished_before = httpx.get(api_url, timeout=30).json()["counters"]["num_finished"]
     assert httpx.post(f"{dashboard_url}/v1/completions", json=body, timeout=60).status_code == 200
-    time.sleep(0.2)  # the request is observed as its response closes
-    snapshot = httpx.get(f"{dashboard_url}/dashboard/api/{GENERATE_MODEL}/{BUCKET}", timeout=30).json()
+
+    def observed() -> dict[str, Any] | None:
+        """The bucket's snapshot once the request is in it (it is observed as its response closes)."""
+        snapshot = httpx.get(api_url, timeout=30).json()
+        is_in = snapshot["counters"]["num_finished"] > num_finished_before and snapshot["recent"]["num_requests"] >= 1
+        return snapshot if is_in else None
+
+    snapshot = wait_for(observed, WAIT_S, "the completion is in the bucket's recent requests")
     assert (snapshot["model"], snapshot["bucket"], snapshot["state"], snapshot["kind"]) == (
         GENERATE_MODEL, BUCKET, "ready", "continuous"
     )
@@ -142,7 +144,7 @@ def test_bucket_api_has_what_the_charts_draw(dashboard_url: str) -> None:
     assert recent["tokens_per_s"] > 0 and recent["requests_per_s"] > 0
     assert snapshot["config"]["max_input_tokens"] == 48
     assert snapshot["config"]["max_queue_len"] == MAX_QUEUE_LEN
-    assert snapshot["config"]["batcher"]["max_num_seqs"] == 2
+    assert snapshot["config"]["batcher"]["max_num_seqs"] == MAX_NUM_SEQS
     embed = httpx.get(f"{dashboard_url}/dashboard/api/{EMBED_MODEL}/le16", timeout=30).json()
     assert embed["kind"] == "dynamic" and embed["config"]["batcher"]["kind"] == "dynamic"
 
@@ -204,7 +206,7 @@ def test_bucket_page_plots_live_data_in_chromium(dashboard_url: str, tmp_path: P
     assert any(v > 0 for v in charts["kv"][0]["ys"]), charts["kv"]
     assert any(v > 0 for v in charts["rejections"][0]["ys"]), charts["rejections"]
     assert 429 in load.statuses and 200 in load.statuses
-    assert '"max_queue_len": 2' in (config_text or "")
+    assert f'"max_queue_len": {MAX_QUEUE_LEN}' in (config_text or "")
     assert [u for u in requested if not u.startswith(dashboard_url)] == []
     print(f"{state['numPolls']} polls, {state['numPoints']} points; screenshot {tmp_path / 'dashboard.png'}")
     if os.environ.get("SLUICE_UPDATE_SCREENSHOT"):

@@ -3,8 +3,8 @@ on time, a running one ends with ``finish_reason: "timeout"`` and what it genera
 that hang up (streaming or not) cancel their requests, and afterwards every KV block is back,
 nothing is stuck, the other requests' outputs are right and resident memory is flat.
 
-A dedicated server runs here: its short-prompt generation bucket runs one sequence at a time
-(so a second request queues), its long-prompt bucket eight.
+The server (shared with the metrics tests) runs one sequence at a time in its short-prompt
+generation bucket (so a second request queues), eight in its long-prompt bucket.
 """
 
 from __future__ import annotations
@@ -13,20 +13,16 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from tests.e2e.conftest import CONFIG, GENERATE_MODEL, resident_memory_bytes, run_server_process
+from tests.e2e.conftest import GENERATE_MODEL, MAX_TIMEOUT_S, Server, async_wait_for, resident_memory_bytes
 from tests.e2e.reference import assert_greedy_close, greedy_reference
 
 # How late a deadline may fire: the gateway's timer, plus scheduling noise on a loaded 2-core box.
 MAX_LATENESS_S = 0.5
-MAX_TIMEOUT_S = 120.0
 IDLE_WAIT_S = 20.0
 # Resident memory may grow this much over a second round of 100 hang-ups and timeouts.
 MAX_RSS_GROWTH_BYTES = 64 * 1024**2
@@ -40,16 +36,9 @@ LONG_PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def deadline_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
-    config = yaml.safe_load(CONFIG.read_text())
-    model = next(m for m in config["models"] if m["name"] == GENERATE_MODEL)
-    model["buckets"][0]["batcher"]["max_num_seqs"] = 1
-    model["max_timeout_s"] = MAX_TIMEOUT_S
-    folder: Path = tmp_path_factory.mktemp("deadlines")
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with run_server_process(path, folder / "server.log") as (url, proc):
-        yield url, proc
+def deadline_server(one_sequence_server: Server) -> tuple[str, Any]:
+    """The shared server whose short generation bucket runs one sequence (timeouts up to 120 s)."""
+    return one_sequence_server.url, one_sequence_server.proc
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +77,11 @@ def test_a_queued_request_past_its_timeout_gets_504_on_time(deadline_url: str) -
         async with httpx.AsyncClient(base_url=f"{deadline_url}/v1", timeout=120) as client:
             # The short bucket runs one sequence: this one holds it for a while.
             busy = asyncio.create_task(client.post("/completions", json=_completion("Once upon a time", 200)))
-            await asyncio.sleep(0.5)
+
+            async def busy_is_running() -> bool:
+                return bool((await client.get(f"{deadline_url}/stats")).json()[GENERATE_MODEL]["le48"]["num_running"])
+
+            await async_wait_for(busy_is_running, IDLE_WAIT_S, "the first request holds the short bucket")
             started = time.monotonic()
             late = await client.post("/completions", json=_completion("Hello there", 8, timeout=1.0))
             elapsed_s = time.monotonic() - started

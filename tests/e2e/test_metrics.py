@@ -8,21 +8,20 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+from tests.e2e.conftest import EMBED_MODEL, GENERATE_MODEL, Server, async_wait_for, wait_for
 
 GRAFANA = Path(__file__).parents[2] / "configs" / "grafana-dashboard.json"
 NUM_REQUESTS = 4
 # The client's clock starts before the request is sent and parsed; the server's at arrival.
 MAX_CLIENT_SERVER_GAP_S = 0.15
+WAIT_S = 60.0
 EXPECTED = {
     "histogram": [
         "sluice_time_to_first_token_seconds", "sluice_inter_token_latency_seconds", "sluice_e2e_request_latency_seconds",
@@ -34,16 +33,9 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def metrics_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The test config with one sequence at a time in the short generation bucket, so requests queue."""
-    config = yaml.safe_load(CONFIG.read_text())
-    model = next(m for m in config["models"] if m["name"] == GENERATE_MODEL)
-    model["buckets"][0]["batcher"]["max_num_seqs"] = 1
-    folder: Path = tmp_path_factory.mktemp("metrics")
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with run_server(path, folder / "server.log") as url:
-        yield url
+def metrics_url(one_sequence_server: Server) -> str:
+    """A server whose short generation bucket runs one sequence at a time, so requests queue."""
+    return one_sequence_server.url
 
 
 def scrape(url: str) -> dict[str, Any]:
@@ -101,16 +93,21 @@ def test_ttft_and_queue_time_agree_with_the_client(metrics_url: str) -> None:
             return list(await asyncio.gather(*(_streamed_ttft_s(client, body) for _ in range(NUM_REQUESTS))))
 
     client_ttfts = asyncio.run(run())
-    time.sleep(0.2)  # the last request is observed as its stream closes
-    after = scrape(metrics_url)
 
-    def delta(family: str, suffix: str) -> float:
-        return sample(after, family, suffix, **labels) - sample(before, family, suffix, **labels)
+    def delta(family: str, suffix: str, families: dict[str, Any]) -> float:
+        return sample(families, family, suffix, **labels) - sample(before, family, suffix, **labels)
 
-    assert delta("sluice_time_to_first_token_seconds", "_count") == NUM_REQUESTS
-    assert delta("sluice_request_queue_time_seconds", "_count") == NUM_REQUESTS
-    server_ttft_s = delta("sluice_time_to_first_token_seconds", "_sum")
-    server_queue_s = delta("sluice_request_queue_time_seconds", "_sum")
+    def observed() -> dict[str, Any] | None:
+        """A scrape, once every request is in the histograms (the last is observed as its stream closes)."""
+        families = scrape(metrics_url)
+        counts = [delta(name, "_count", families) for name in ("sluice_time_to_first_token_seconds", "sluice_request_queue_time_seconds")]
+        return families if min(counts) >= NUM_REQUESTS else None
+
+    after = wait_for(observed, WAIT_S, "every request is in the histograms")
+    assert delta("sluice_time_to_first_token_seconds", "_count", after) == NUM_REQUESTS
+    assert delta("sluice_request_queue_time_seconds", "_count", after) == NUM_REQUESTS
+    server_ttft_s = delta("sluice_time_to_first_token_seconds", "_sum", after)
+    server_queue_s = delta("sluice_request_queue_time_seconds", "_sum", after)
     print(
         f"TTFT sum over {NUM_REQUESTS} requests: client {sum(client_ttfts):.3f} s, server {server_ttft_s:.3f} s; "
         f"server queue time {server_queue_s:.3f} s"
@@ -147,14 +144,19 @@ def test_responses_carry_bucket_queue_and_prefill_timings(metrics_url: str, stre
 
     async def run() -> list[tuple[httpx.Response, float]]:
         async with httpx.AsyncClient(base_url=metrics_url, timeout=120) as client:
-            async def one(delay_s: float) -> tuple[httpx.Response, float]:
-                await asyncio.sleep(delay_s)
+            async def one() -> tuple[httpx.Response, float]:
                 started = time.monotonic()
                 async with client.stream("POST", "/v1/completions", json={**body, "stream": stream}) as response:
                     await response.aread()
                 return response, time.monotonic() - started
 
-            return list(await asyncio.gather(one(0.0), one(0.2)))
+            async def first_is_running() -> bool:
+                return bool((await client.get("/stats")).json()[GENERATE_MODEL]["le48"]["num_running"])
+
+            first = asyncio.create_task(one())
+            await async_wait_for(first_is_running, WAIT_S, "the first request holds the bucket's one sequence")
+            second = asyncio.create_task(one())
+            return [await first, await second]
 
     (first, _), (second, second_e2e_s) = asyncio.run(run())
     for response in (first, second):

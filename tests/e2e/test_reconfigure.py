@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,10 +15,10 @@ import pytest
 import yaml
 
 from gateway.config import parse_config
-from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+from tests.e2e.conftest import ADMIN_TOKEN, EMBED_MODEL, GENERATE_MODEL, Server
 from tests.e2e.reference import assert_greedy_close, greedy_reference
 
-TOKEN = "reconfigure-token-91d2"
+TOKEN = ADMIN_TOKEN
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 NUM_REQUESTS = 100
 NUM_LAYOUTS = 10
@@ -41,13 +39,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = yaml.safe_load(CONFIG.read_text())
-    folder: Path = tmp_path_factory.mktemp("reconfigure")
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with run_server(path, folder / "server.log", {"SLUICE_ADMIN_TOKEN": TOKEN}) as url:
-        yield url
+def admin_url(admin_server: Server) -> str:
+    """The shared admin server; the layout swaps end on the test config's layout."""
+    return admin_server.url
 
 
 def _layout(index: int) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies.tuning import SLO, SLOTuner, SweepPoint, propose_knobs
+from tests.factories import FakeClock
 
 INTERVAL_S = 5.0
 
@@ -25,14 +26,14 @@ class SyntheticBucket:
         )
 
 
-def run(tuner: SLOTuner, bucket: SyntheticBucket, num_intervals: int, clock: list[float]) -> list[tuple[float, int, bool]]:
+def run(tuner: SLOTuner, bucket: SyntheticBucket, num_intervals: int, clock: FakeClock) -> list[tuple[float, int, bool]]:
     """``(time, knob, breached)`` per interval; the knob a proposal sets applies from the next one."""
     history = []
     for _ in range(num_intervals):
-        clock[0] += INTERVAL_S
+        clock.advance(INTERVAL_S)
         ttft, tpot = bucket.p95_ms(tuner.value)
         breached = tuner.slo.breached(ttft, tpot)
-        history.append((clock[0], tuner.value, breached))
+        history.append((clock(), tuner.value, breached))
         tuner.propose(ttft, tpot, num_samples=50)
     return history
 
@@ -46,7 +47,7 @@ def assert_no_breach_lasts(history: list[tuple[float, int, bool]]) -> None:
 def test_the_tuner_grows_to_the_largest_knob_the_slo_allows_and_stays() -> None:
     slo = SLO(ttft_p95_ms=500.0, tpot_p95_ms=100.0)  # the model allows knob <= 22 (TTFT) and <= 26 (TPOT)
     tuner = SLOTuner(slo, initial=1, min_value=1, max_value=256, headroom=0.1)
-    clock = [0.0]
+    clock = FakeClock()
     history = run(tuner, SyntheticBucket(), 60, clock)
     assert_no_breach_lasts(history)
     assert sum(b for _, _, b in history) <= 2  # the doubling overshoot, then at most one re-probe
@@ -61,7 +62,7 @@ def test_a_slowdown_backs_the_knob_off_then_holds_the_slo() -> None:
     slo = SLO(ttft_p95_ms=500.0)
     tuner = SLOTuner(slo, initial=4, min_value=1, max_value=64, headroom=0.1, ceiling_ttl_intervals=10)
     bucket = SyntheticBucket()
-    clock = [0.0]
+    clock = FakeClock()
     before = run(tuner, bucket, 30, clock)
     steady = tuner.value
     bucket.slowdown = 2.0  # the same knob now costs twice the latency
