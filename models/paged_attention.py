@@ -16,6 +16,7 @@ binaries; later processes only load it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import platform
@@ -236,9 +237,12 @@ class KernelLoader:
 
 
 def build_directory() -> Path:
-    """``$SLUICE_CACHE_DIR/torch_extensions/<python>_<torch>_<machine>`` (cache dir default ``~/.cache/sluice``)."""
+    """``$SLUICE_CACHE_DIR/torch_extensions/<python>_<torch>_<machine>_<source hash>`` (cache dir
+    default ``~/.cache/sluice``). The hash covers the kernel's source and flags, so every checkout
+    of the same kernel shares one build, wherever it lies."""
     root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sluice")
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{platform.machine()}"
+    digest = hashlib.sha256(SOURCE_PATH.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{platform.machine()}_{digest}"
     return root / "torch_extensions" / tag
 
 
@@ -257,6 +261,7 @@ def build_extension() -> ModuleType:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     binary = directory / f"{EXTENSION_NAME}.so"
+    source = directory / SOURCE_PATH.name
     built_before = binary.stat().st_mtime_ns if binary.exists() else None
     log.info("kernel_build_started", kernel=EXTENSION_NAME, build_directory=str(directory))
     started = time.perf_counter()
@@ -264,10 +269,14 @@ def build_extension() -> ModuleType:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         # Holding our lock, no other process is inside load(): a torch lock file is a leftover.
         (directory / _TORCH_LOCK_NAME).unlink(missing_ok=True)
+        # torch's build file names its sources by absolute path: build from a copy inside the
+        # directory, so a checkout elsewhere finds the same build file and reuses the binary.
+        if not source.exists() or source.read_bytes() != SOURCE_PATH.read_bytes():
+            shutil.copyfile(SOURCE_PATH, source)
         with _torch_build_logs_quiet():
             module: Any = load(
                 name=EXTENSION_NAME,
-                sources=[str(SOURCE_PATH)],
+                sources=[str(source)],
                 extra_cflags=CFLAGS,
                 extra_ldflags=LDFLAGS,
                 build_directory=str(directory),
