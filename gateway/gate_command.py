@@ -51,18 +51,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from gateway.engine import Engine
+    from gateway.build import cache_dir
     from models.loader import load_model
 
-    engine = Engine(config)  # for the cache folder and slices; nothing starts
+    folder = cache_dir(config)
     slices = {s.name: s for s in config.slices}
     first_slice = slices[buckets[0].slice]
-    loaded = load_model(model.name, model.source, model.task, model.dtype, first_slice.device, engine.cache_dir)
+    loaded = load_model(model.name, model.source, model.task, model.dtype, first_slice.device, folder)
     for bucket in buckets:
         num_threads = slices[bucket.slice].num_threads
         torch.set_num_threads(num_threads)
-        record = gate.run_gate(loaded, model, bucket, config.gate, engine.cache_dir, num_threads)
-        path = gate.record_path(engine.cache_dir, model.name, bucket.bucket_name)
+        record = gate.run_gate(loaded, model, bucket, config.gate, folder, num_threads)
+        path = gate.record_path(folder, model.name, bucket.bucket_name)
         gate.save_record(path, record)
         print(format_record(record))
         print(f"saved {path}")

@@ -6,21 +6,20 @@ to eager when it cannot be built or fails while serving (logged, and shown in th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import structlog
 
-from gateway.config import BucketConfig, ModelConfig
+from gateway.config import BucketConfig, GateConfig, ModelConfig
 from models.loader import LoadedModel
-
-if TYPE_CHECKING:
-    from gateway.engine import Engine
 
 log = structlog.get_logger(__name__)
 
 
 def backend_label(
-    engine: Engine, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]
+    cache_dir: Path, gate_config: GateConfig, model: ModelConfig, loaded: LoadedModel, config: BucketConfig,
+    num_threads: int, info: dict[str, Any],
 ) -> str:
     """The backend a bucket runs: as configured, or for ``auto`` what its gate record (run
     now when missing or stale and ``gate.run_at_start``) enabled. Fills ``info["gate"]``."""
@@ -30,23 +29,24 @@ def backend_label(
         return "onnx-int8" if config.quantization == "int8" else "onnx-fp32"
     if config.backend != "auto":
         return config.backend
-    path = gate.record_path(engine.cache_dir, model.name, config.bucket_name)
+    path = gate.record_path(cache_dir, model.name, config.bucket_name)
     record = gate.load_record(path, gate.gate_key(model, config, loaded, num_threads))
-    if record is None and engine.config.gate.run_at_start:
+    if record is None and gate_config.run_at_start:
         log.info("gate_started", model=model.name, bucket=config.bucket_name, reason="no current gate record")
-        record = gate.run_gate(loaded, model, config, engine.config.gate, engine.cache_dir, num_threads)
+        record = gate.run_gate(loaded, model, config, gate_config, cache_dir, num_threads)
         gate.save_record(path, record)
         log.info("gate_finished", model=model.name, bucket=config.bucket_name, chosen=record["chosen"], gate_s=record["gate_s"], record=str(path))
-    info["gate"] = gate.summary(record, engine.config.gate)
+    info["gate"] = gate.summary(record, gate_config)
     if record is None:  # gate.run_at_start is off
         log.warning("gate_record_missing", model=model.name, bucket=config.bucket_name, record=str(path), running="eager",
                     hint="run `sluice gate` for this model, or set gate.run_at_start")
         return "eager"
-    return gate.chosen_backend(record, engine.config.gate)
+    return gate.chosen_backend(record, gate_config)
 
 
 def encoder_backend(
-    engine: Engine, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, label: str, num_threads: int, info: dict[str, Any]
+    cache_dir: Path, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, label: str, num_threads: int,
+    info: dict[str, Any],
 ) -> Any:
     """The encoder backend ``label``, warmed at the bucket's shapes, behind a fallback to
     eager; eager itself when ``label`` cannot be built (logged)."""
@@ -59,7 +59,7 @@ def encoder_backend(
         return eager
     fields = {"model": model.name, "bucket": config.bucket_name, "backend": label}
     try:
-        backend = gate.build_encoder(label, loaded, engine.cache_dir, num_threads)
+        backend = gate.build_encoder(label, loaded, cache_dir, num_threads)
         info["warm_up_s"] = round(backend.warm_up(gate.encoder_shapes(config)), 3)
     except BackendUnavailableError as exc:
         log.warning("backend_unavailable", **fields, error=str(exc), running="eager")

@@ -38,7 +38,6 @@ from buckets.request import (
 from buckets.stats import BucketStats
 from models.step_io import SamplingParams
 
-BucketKey = tuple[str, str]
 Message = tuple[Any, ...]
 
 
