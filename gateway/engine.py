@@ -243,8 +243,12 @@ class Engine:
         weights = self._needs_weights(config)
         device = next((self.slices[b.slice].device for b in config.buckets if self.slices[b.slice].needs_weights), "cpu")
         loaded = load_model(config.name, config.source, config.task, config.dtype, device, self.cache_dir, weights=weights)
-        log.info("model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3), weights=weights)
-        all_weights = {**self.weight_bytes, config.name: memory.weight_bytes(loaded.model)} if weights else self.weight_bytes
+        model_weight_bytes = memory.weight_bytes(loaded.model) if weights else None
+        log.info(
+            "model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3),
+            weight_bytes=model_weight_bytes,  # None: loaded without weights (its buckets run in worker processes)
+        )
+        all_weights = self.weight_bytes if model_weight_bytes is None else {**self.weight_bytes, config.name: model_weight_bytes}
         try:
             memory.check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, all_weights)
         except ConfigError:
