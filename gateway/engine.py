@@ -4,6 +4,7 @@ patch, retire. Budgets are :mod:`gateway.memory`'s arithmetic; buckets and slice
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -98,8 +99,7 @@ class Engine:
         self.config = config
         self.cache_dir = build.cache_dir(config)
         self.slices: dict[str, Slice] = {
-            s.name: build.make_slice(s, worker_main, lambda name=s.name: self._worker_args(name))  # type: ignore[misc]
-            for s in config.slices
+            s.name: build.make_slice(s, worker_main, functools.partial(self._worker_args, s.name)) for s in config.slices
         }
         self.models: dict[str, ServedModel] = {}
         self.request_observers: list[RequestObserver] = []

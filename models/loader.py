@@ -93,6 +93,7 @@ def _load_weights(folder: Path, task: Task, dtype: str, device: str) -> Any:
     from models.attention import ATTENTION_NAME, register_attention
 
     torch_dtype = getattr(torch, DTYPES[dtype])
+    model: Any
     if task == "generate":
         register_attention()
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=ATTENTION_NAME)

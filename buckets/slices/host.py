@@ -23,6 +23,7 @@ from buckets.errors import BatchFailedError
 from buckets.request import ErrorEvent, Request, RequestEvent
 from buckets.slices.messages import Message, decode_request, encode_event, encode_stats, is_final
 from buckets.slices.slice import BucketKey, Slice
+from buckets.stats import BatchObserver
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +62,7 @@ class SliceHost:
     def serve(self) -> None:
         """Announce readiness, then handle the gateway's messages until stop or end of file."""
         for key in self.keys:
-            self.local_slice.add_batch_observer(key, lambda n, t, p, key=key: self._outbox.put(("batch", key, n, t, p)))
+            self.local_slice.add_batch_observer(key, self._batch_reporter(key))
         self._sender.start()
         backend_info = {key: dict(self.local_slice.backend_info(key)) for key in self.keys}
         self._outbox.put(("ready", os.getpid(), backend_info))
@@ -77,6 +78,14 @@ class SliceHost:
                 self._handle(message)
             except Exception:  # one bad message must not take the worker down
                 log.exception("slice_host_message_error", kind=message[0])
+
+    def _batch_reporter(self, key: BucketKey) -> BatchObserver:
+        """A batch observer that sends bucket ``key``'s forwards to the gateway."""
+
+        def report(num_seqs: int, num_tokens: int, num_padding_tokens: int) -> None:
+            self._outbox.put(("batch", key, num_seqs, num_tokens, num_padding_tokens))
+
+        return report
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send the last stats and events, then stop the sender."""

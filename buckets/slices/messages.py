@@ -108,11 +108,9 @@ def decode_error(name: str, message: str) -> Exception:
     """The :mod:`buckets.errors` class called ``name`` built from ``message``; any other error
     (a bug in the worker) comes back as a :class:`~buckets.errors.BatchFailedError` naming it."""
     cls = getattr(errors, name, None)
-    single_message = isinstance(cls, type) and issubclass(cls, errors.BucketError) and not issubclass(
-        cls, (errors.QueueFullError, errors.SliceUnavailableError)
-    )
-    if single_message:
-        return cls(message)  # type: ignore[misc]
+    needs_more = (errors.QueueFullError, errors.SliceUnavailableError)  # built from more than a message
+    if isinstance(cls, type) and issubclass(cls, errors.BucketError) and not issubclass(cls, needs_more):
+        return cls(message)
     return errors.BatchFailedError(f"{name}: {message}")
 
 

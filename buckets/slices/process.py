@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from buckets.errors import ShuttingDownError, SliceUnavailableError, WorkerCrash
 from buckets.request import ErrorEvent, Request
 from buckets.slices.messages import Message, decode_event, decode_stats, encode_request, is_final
 from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState, check_fixed_settings
+from buckets.slices.worker import WorkerProcess
 from buckets.stats import BatchObserver, BucketStats, Counters
 
 log = structlog.get_logger(__name__)
@@ -61,18 +61,6 @@ class _RemoteBucket:
     backend_info: dict[str, Any]
     stats: BucketStats
     observers: list[BatchObserver]
-
-
-class _Worker:
-    """One worker process and the gateway's end of its pipe; a restart makes a new one."""
-
-    def __init__(self, process: Any, conn: Connection):
-        self.process = process
-        self.conn = conn
-        self.pid: int | None = process.pid
-        self.outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
-        self.ready = threading.Event()
-        self.reader: threading.Thread | None = None
 
 
 class ProcessSlice:
@@ -113,7 +101,7 @@ class ProcessSlice:
         self._in_flight: dict[int, _InFlight] = {}
         self._request_nos: dict[int, int] = {}  # id(request) -> its number, while in flight
         self._lock = threading.Lock()
-        self._worker: _Worker | None = None
+        self._worker: WorkerProcess | None = None
         self._stopping = threading.Event()
         self._next_request_no = itertools.count()
         self._num_failed_starts = 0
@@ -163,7 +151,7 @@ class ProcessSlice:
             self._stopping.set()
             worker = self._worker
         if worker is not None:
-            worker.outbox.put(("stop",))
+            worker.send(("stop",))
             worker.process.join(timeout_s)
             if worker.process.is_alive():
                 worker.process.kill()
@@ -212,7 +200,7 @@ class ProcessSlice:
                 raise SliceUnavailableError(f"the worker process of slice {self.name!r} is {self.state.value}", RETRY_AFTER_S)
             self._in_flight[request_no] = _InFlight(key, request)
             self._request_nos[id(request)] = request_no
-            worker.outbox.put(("submit", key, wire))
+            worker.send(("submit", key, wire))
         request.on_cancel = self.cancel
         if request.is_cancelled:  # cancelled before on_cancel was set: forward it now
             self.cancel(request)
@@ -269,22 +257,22 @@ class ProcessSlice:
         theirs.close()  # the worker holds the only other end: its exit is end of file here
         return process, ours
 
-    def _launch(self) -> _Worker | None:
+    def _launch(self) -> WorkerProcess | None:
         """Start a worker and the threads that talk to it; ``None`` when :meth:`stop` came first
         (the new process is killed)."""
         process, conn = self._spawn()
-        worker = _Worker(process, conn)
+        worker = WorkerProcess(process, conn, f"slice-{self.name}")
         with self._lock:
             stopped = self._stopping.is_set()
             if not stopped:
                 self._worker = worker
         if stopped:
             process.kill()
+            worker.close_outbox()
             conn.close()
             return None
         worker.reader = threading.Thread(target=self._read, args=(worker,), name=f"slice-{self.name}-reader", daemon=True)
         worker.reader.start()
-        threading.Thread(target=self._write, args=(worker,), name=f"slice-{self.name}-sender", daemon=True).start()
         log.info("worker_started", slice=self.name, pid=worker.pid)
         return worker
 
@@ -297,7 +285,7 @@ class ProcessSlice:
         if worker is not None:
             self._await_ready(worker)
 
-    def _await_ready(self, worker: _Worker) -> bool:
+    def _await_ready(self, worker: WorkerProcess) -> bool:
         """Wait until ``worker`` is ready (``True``), exits or the slice stops (``False``). One not
         ready within ``start_timeout_s`` is killed (its end of file starts the next try)."""
         deadline = time.monotonic() + self.start_timeout_s
@@ -310,7 +298,7 @@ class ProcessSlice:
                 return False
         return True
 
-    def _on_exit(self, worker: _Worker) -> None:
+    def _on_exit(self, worker: WorkerProcess) -> None:
         """The worker's pipe closed: fail its requests and, unless stopping, start a new one."""
         worker.process.join(5.0)
         with self._lock:
@@ -321,7 +309,7 @@ class ProcessSlice:
             self.state = SliceState.RESTARTING if restart else SliceState.STOPPED
             self._busy_s_before += self._busy_s
             self._busy_s, self._busy_ratio = 0.0, 0.0
-        worker.outbox.put(None)
+        worker.close_outbox()
         if self._stopping.is_set():
             return
         error = WorkerCrashedError(
@@ -354,16 +342,9 @@ class ProcessSlice:
     def _send(self, message: Message) -> None:
         worker = self._worker
         if worker is not None:
-            worker.outbox.put(message)
+            worker.send(message)
 
-    def _write(self, worker: _Worker) -> None:
-        while (message := worker.outbox.get()) is not None:
-            try:
-                worker.conn.send(message)
-            except (OSError, ValueError):
-                return  # the pipe is gone; the reader sees end of file
-
-    def _read(self, worker: _Worker) -> None:
+    def _read(self, worker: WorkerProcess) -> None:
         while True:
             try:
                 message = worker.conn.recv()
@@ -377,7 +358,7 @@ class ProcessSlice:
 
     # -- messages from the worker ----------------------------------------------------------
 
-    def _dispatch(self, worker: _Worker, message: Message) -> None:
+    def _dispatch(self, worker: WorkerProcess, message: Message) -> None:
         kind = message[0]
         if kind == "event":
             self._on_event(*message[1:])
@@ -412,7 +393,7 @@ class ProcessSlice:
             request.batches[:] = [tuple(b) for b in batches]
         request.emit(event)
 
-    def _on_ready(self, worker: _Worker, pid: int, backend_info: dict[BucketKey, dict[str, Any]]) -> None:
+    def _on_ready(self, worker: WorkerProcess, pid: int, backend_info: dict[BucketKey, dict[str, Any]]) -> None:
         for key, info in backend_info.items():
             if (bucket := self._buckets.get(key)) is not None:
                 bucket.backend_info.update(info)
