@@ -22,9 +22,9 @@ from buckets.bucket import Bucket
 from buckets.continuous import ContinuousBatcher
 from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
-from buckets.slices.process import ProcessSlice
+from buckets.slices import kinds
+from buckets.slices.kinds import SliceOptions
 from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, Slice
-from buckets.slices.thread import ThreadSlice
 from gateway import memory, runners
 from gateway.config import BucketConfig, ContinuousBatcherConfig, DynamicBatcherConfig, GateConfig, GatewayConfig, ModelConfig, SliceConfig
 from gateway.errors import ConfigError
@@ -79,17 +79,17 @@ def slice_kv_budgets(config: GatewayConfig) -> dict[str, int]:
 
 
 def make_slice(config: SliceConfig, worker_main: WorkerMain | None, worker_args: Callable[[], tuple[Any, ...]]) -> Slice:
-    """The slice ``config`` describes: a worker thread, or a worker process running
-    ``worker_main(conn, *worker_args())`` (``worker_args`` is called at each (re)start).
+    """The slice ``config`` describes, of the kind its ``isolation`` names
+    (:data:`buckets.slices.kinds.SLICE_KINDS`); one whose worker runs elsewhere runs
+    ``worker_main(conn, *worker_args())`` there (``worker_args`` is called at each (re)start).
 
     Raises:
         ValueError: a process slice and no ``worker_main`` to run in it.
     """
-    if config.isolation == "process":
-        if worker_main is None:
-            raise ValueError(f"slice {config.name!r} has isolation: process, and no worker main was given to run in it")
-        return ProcessSlice(config.name, config.device, config.num_threads, worker_main, worker_args)
-    return ThreadSlice(config.name, config.device, config.num_threads, config.max_consecutive_steps)
+    options = SliceOptions(
+        config.name, config.device, config.num_threads, config.max_consecutive_steps, worker_main, worker_args
+    )
+    return kinds.make_slice(config.isolation, options)
 
 
 def continuous_settings(config: ContinuousBatcherConfig) -> ContinuousBatcherSettings:

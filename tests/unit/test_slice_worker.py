@@ -4,13 +4,16 @@ of the config keeps each bucket's KV share, the build code makes the slice each 
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
 from buckets.errors import BatchFailedError, SliceUnavailableError, WorkerCrashedError
+from buckets.slices.kinds import SLICE_KINDS
 from buckets.slices.process import ProcessSlice
 from buckets.slices.thread import ThreadSlice
 from gateway.build import make_slice
-from gateway.config import GatewayConfig, parse_config
+from gateway.config import GatewayConfig, SliceConfig, parse_config
 from gateway.engine import Engine
 from gateway.errors import slice_unavailable
 from gateway.memory import split_kv_memory
@@ -62,6 +65,11 @@ def test_each_slice_gets_the_worker_its_isolation_names() -> None:
     assert process._target is run_slice_worker
     config_data, slice_name, level = process._worker_args()
     assert slice_name == "proc" and GatewayConfig.model_validate(config_data) == config and isinstance(level, str)
+
+
+def test_every_isolation_the_config_accepts_is_a_slice_kind() -> None:
+    isolations = get_args(SliceConfig.model_fields["isolation"].annotation)
+    assert set(isolations) == set(SLICE_KINDS) == {"thread", "process"}
 
 
 def test_a_process_slice_needs_a_worker_main_to_run() -> None:
