@@ -104,14 +104,6 @@ class ThreadSlice:
                 self._wake.wait()
         batcher.shutdown()
 
-    def batcher(self, key: BucketKey) -> Batcher:
-        """Bucket ``key``'s batcher (the worker owns it: call only what is thread-safe).
-
-        Raises:
-            KeyError: ``key`` is not attached here.
-        """
-        return self._batchers[key]
-
     def submit(self, key: BucketKey, request: Request) -> None:
         """Queue ``request`` on bucket ``key``'s batcher and wake the worker (thread-safe); a
         later ``request.cancel()`` wakes it too (:meth:`cancel`)."""

@@ -53,7 +53,7 @@ def make_bucket(max_input_tokens: int, name: str | None = None, kv_capacity_toke
 
 def dummy_batcher(bucket: Bucket) -> _DummyBatcher:
     """The dummy batcher of a bucket from :func:`make_bucket`."""
-    batcher = bucket.device_slice.batcher(bucket.key)  # type: ignore[attr-defined]
+    batcher = bucket.device_slice._batchers[bucket.key]  # type: ignore[attr-defined]
     assert isinstance(batcher, _DummyBatcher)
     return batcher
 
