@@ -36,6 +36,7 @@ class Bucket:
     kv_capacity_tokens: int | None = None
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None
+    layout_no: int = 0  # which bucket layout of its model it belongs to (a reconfiguration adds one)
     gate: AdmissionGate = field(init=False, repr=False)
     closed: bool = field(default=False, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -45,8 +46,8 @@ class Bucket:
 
     @property
     def key(self) -> BucketKey:
-        """The bucket's name on its slice: ``(model name, bucket name)``."""
-        return (self.model_name, self.name)
+        """The bucket's name on its slice: ``(model name, bucket name, layout number)``."""
+        return (self.model_name, self.name, self.layout_no)
 
     @property
     def backend_info(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from buckets.slices import kinds
 from buckets.slices.kinds import SliceOptions
-from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, Slice
+from buckets.slices.slice import BatcherSettings, BucketSpec, Slice
 from gateway import memory, runners
 from gateway.config import BucketConfig, ContinuousBatcherConfig, DynamicBatcherConfig, GateConfig, GatewayConfig, ModelConfig, SliceConfig
 from gateway.errors import ConfigError
@@ -117,12 +117,14 @@ class BucketBuilder:
 
     cache_dir: Path
     gate: GateConfig
-    kv_memory_bytes: dict[BucketKey, int]
+    kv_memory_bytes: dict[memory.BucketName, int]
 
-    def bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, device_slice: Slice) -> Bucket:
-        """Bucket ``config`` of ``model``, attached to ``device_slice`` (which builds its batcher
-        now when it runs in this process: KV pool, backend, gate; slow). ``loaded`` needs its
-        weights only then.
+    def bucket(
+        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, device_slice: Slice, layout_no: int = 0
+    ) -> Bucket:
+        """Bucket ``config`` of ``model`` in the model's ``layout_no``-th bucket layout, attached
+        to ``device_slice`` (which builds its batcher now when it runs in this process: KV pool,
+        backend, gate; slow). ``loaded`` needs its weights only then.
 
         Raises:
             ConfigError: its KV share holds no block.
@@ -139,7 +141,7 @@ class BucketBuilder:
             make_batcher = lambda: self._dynamic(model, loaded, config, device_slice.num_threads, info)  # noqa: E731
         bucket = Bucket(
             config.bucket_name, model.name, config.max_input_tokens, device_slice, config.batcher.kind, kv_capacity_tokens,
-            max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens,
+            max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens, layout_no=layout_no,
         )
         device_slice.attach(bucket.key, BucketSpec(config.batcher.kind, settings, make_batcher, info))
         return bucket

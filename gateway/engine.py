@@ -43,6 +43,7 @@ class ServedModel:
     loaded: LoadedModel
     table: BucketTable
     draining: bool = False
+    layout_no: int = 0  # bumped by each new bucket layout (its buckets' keys on their slices)
     # Called with (model name, request, completion tokens, outcome) once per finished request.
     request_observers: list[RequestObserver] = field(default_factory=list)
 
@@ -167,7 +168,8 @@ class Engine:
         """
         served = self.models[name]
         self._check_budgets(config)
-        buckets = self._buckets(model, served.loaded)
+        buckets = self._buckets(model, served.loaded, served.layout_no + 1)
+        served.layout_no += 1
         old = served.table.buckets
         served.table = BucketTable(buckets)  # one reference swap: routing sees old or new, whole
         for bucket in old:
@@ -259,11 +261,11 @@ class Engine:
         buckets = self._buckets(config, loaded)
         return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)
 
-    def _buckets(self, config: ModelConfig, loaded: LoadedModel) -> list[Bucket]:
-        """Build ``config``'s buckets on ``loaded``, attached to their slices, and hand each to
-        the bucket hooks (before any request can reach it)."""
+    def _buckets(self, config: ModelConfig, loaded: LoadedModel, layout_no: int = 0) -> list[Bucket]:
+        """Build ``config``'s buckets (its ``layout_no``-th layout) on ``loaded``, attached to their
+        slices, and hand each to the bucket hooks (before any request can reach it)."""
         builder = BucketBuilder(self.cache_dir, self.config.gate, self.kv_memory_bytes)
-        buckets = [builder.bucket(config, loaded, b, self.slices[b.slice]) for b in config.buckets]
+        buckets = [builder.bucket(config, loaded, b, self.slices[b.slice], layout_no) for b in config.buckets]
         for bucket in buckets:
             for hook in self.bucket_hooks:
                 hook(config.name, bucket)

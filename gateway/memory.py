@@ -16,7 +16,7 @@ from gateway.errors import ConfigError
 DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
 DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION = 0.5
 
-BucketKey = tuple[str, str]  # (model name, bucket name)
+BucketName = tuple[str, str]  # (model name, bucket name), as in the config
 
 
 class Tensor(Protocol):
@@ -62,7 +62,7 @@ def _fixed_share_bytes(batcher: ContinuousBatcherConfig, budget_bytes: int) -> i
     return None
 
 
-def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dict[BucketKey, int]:
+def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dict[BucketName, int]:
     """Each continuous bucket's KV pool in bytes, keyed by ``(model name, bucket name)``.
 
     On each slice, explicit ``kv_cache_memory_bytes`` come first, then fractions of the slice's
@@ -71,11 +71,11 @@ def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dic
     Raises:
         ConfigError: a slice's buckets ask for more than its budget (``kv_cache_memory_exceeded``).
     """
-    shares: dict[BucketKey, int] = {}
+    shares: dict[BucketName, int] = {}
     for slice_name, budget in slice_budgets.items():
         owners = [(m.name, b) for m in config.models for b in m.buckets if b in config.continuous_buckets(slice_name)]
-        fixed: dict[BucketKey, int] = {}
-        rest: list[BucketKey] = []
+        fixed: dict[BucketName, int] = {}
+        rest: list[BucketName] = []
         for name, bucket in owners:
             share = _fixed_share_bytes(bucket.batcher, budget)  # type: ignore[arg-type]
             if share is None:
@@ -124,7 +124,7 @@ def weight_bytes(model: Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[BucketKey, int], weights: dict[str, int]) -> None:
+def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[BucketName, int], weights: dict[str, int]) -> None:
     """Every slice with a ``memory_budget_bytes`` holds the weights of the models with a bucket
     on it (those in ``weights``, bytes: loaded so far in this process) plus the KV pools of its
     continuous buckets (``kv_bytes``, bytes).

@@ -58,7 +58,7 @@ def run_slice_worker(conn: Connection, config_data: dict[str, Any], slice_name: 
     engine.start()
     keys = [bucket.key for served in engine.models.values() for bucket in served.table.buckets]
     host = SliceHost(conn, engine.slices[slice_name], keys)
-    log.info("slice_worker_ready", slice=slice_name, buckets=[f"{model}/{bucket}" for model, bucket in keys])
+    log.info("slice_worker_ready", slice=slice_name, buckets=[f"{model}/{bucket}" for model, bucket, _ in keys])
     try:
         host.serve()
     finally:

@@ -14,7 +14,7 @@ Worker -> gateway:
     ``("batch", key, num_seqs, num_tokens, num_padding_tokens)``,
     ``("stats", {key: stats fields}, busy_s, busy_ratio)``.
 
-A ``key`` is ``(model name, bucket name)``; ``request_no`` is the gateway's number for one
+A ``key`` is ``(model name, bucket name, layout number)``; ``request_no`` is the gateway's number for one
 request in flight (unique for the gateway process's life). Times are ``time.monotonic()``
 seconds, which on Linux is one clock for every process on the machine.
 """

@@ -2,7 +2,7 @@
 
 A slice is where a group of buckets runs: one worker (a thread, a process, later a Ray actor)
 that steps the buckets' batchers in turns. Everything outside a slice names a bucket by its
-key, ``(model name, bucket name)``, and talks to it through the slice: a bucket is a handle
+key, ``(model name, bucket name, layout number)``, and talks to it through the slice: a bucket is a handle
 ``(slice, key)`` whatever the kind, so nothing outside branches on the slice's type.
 """
 
@@ -18,7 +18,9 @@ from buckets.request import Request
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from buckets.stats import BatchObserver, BucketStats
 
-BucketKey = tuple[str, str]  # (model name, bucket name)
+# (model name, bucket name, layout number): a new bucket layout of a model may reuse its bucket
+# names while the old buckets drain on the same slices, so the layout's number tells them apart.
+BucketKey = tuple[str, str, int]
 BatcherSettings = ContinuousBatcherSettings | DynamicBatcherSettings
 
 

@@ -110,3 +110,18 @@ def test_submit_hands_the_request_to_the_batcher_and_tags_the_bucket() -> None:
     bucket.submit(request)
     assert dummy_batcher(bucket).submitted == [request]
     assert request.info["bucket"] == "le16"
+
+
+def test_a_new_layout_may_reuse_a_bucket_name_on_the_same_slice() -> None:
+    shared = ThreadSlice("s", "cpu", num_threads=1)  # never started
+    old, new = (Bucket("le16", "m", 16, shared, "dummy", layout_no=n) for n in (0, 1))
+    batchers = {0: _DummyBatcher(), 1: _DummyBatcher()}
+    for bucket in (old, new):
+        shared.attach(bucket.key, BucketSpec("dummy", DynamicBatcherSettings(1, 0.0), lambda n=bucket.layout_no: batchers[n]))
+    assert old.key != new.key
+    first, second = (Request(request_id=f"r{n}", prompt_token_ids=[1], sink=lambda event: None) for n in (0, 1))
+    old.submit(first)
+    new.submit(second)
+    assert batchers[0].submitted == [first] and batchers[1].submitted == [second]
+    shared.detach(old.key)  # the old layout drains away; the new one stays
+    assert shared.backend_info(new.key) == {} and new.key in shared._batchers and old.key not in shared._batchers

@@ -43,7 +43,7 @@ from buckets.slices.thread import ThreadSlice
 from buckets.stats import Counters
 from models.step_io import SamplingParams
 
-KEY = ("model-a", "le16")
+KEY = ("model-a", "le16", 0)
 TIMEOUT_S = 10.0
 
 
