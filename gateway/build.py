@@ -26,7 +26,15 @@ from buckets.slices import kinds
 from buckets.slices.kinds import SliceOptions
 from buckets.slices.slice import BatcherSettings, BucketSpec, Slice
 from gateway import memory, runners
-from gateway.config import BucketConfig, ContinuousBatcherConfig, DynamicBatcherConfig, GateConfig, GatewayConfig, ModelConfig, SliceConfig
+from gateway.config import (
+    BucketConfig,
+    ContinuousBatcherConfig,
+    DynamicBatcherConfig,
+    GateConfig,
+    GatewayConfig,
+    ModelConfig,
+    SliceConfig,
+)
 from gateway.errors import ConfigError
 from models.encoder import EmbeddingRunner
 from models.loader import LoadedModel
