@@ -11,38 +11,48 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from buckets.admission import AdmissionGate
-from buckets.batcher import Batcher
-from buckets.device_slice import DeviceSlice
-from buckets.process_slice import ProcessSlice
 from buckets.errors import BucketClosedError
 from buckets.request import Request
-from buckets.stats import BucketStats
+from buckets.slices.slice import BatcherSettings, BucketKey, Slice
+from buckets.stats import BatchObserver, BucketStats
 
 
 @dataclass
 class Bucket:
     """Requests of one model whose prompts hold at most ``max_input_tokens`` tokens
-    (and more than the previous bucket's limit). ``max_seq_tokens`` bounds prompt + ``max_tokens``
-    of one request (a continuous bucket's whole KV pool); ``None``: no such bound.
+    (and more than the previous bucket's limit), run by a ``kind`` batcher (``continuous`` or
+    ``dynamic``) on ``device_slice``, which hosts it under :attr:`key`: the bucket is the handle
+    ``(slice, key)`` whatever the slice's kind, and asks the slice for everything about its
+    batcher. ``kv_capacity_tokens`` bounds prompt + ``max_tokens`` of one request (a continuous
+    bucket's whole KV pool, :func:`gateway.memory.kv_capacity_tokens`); ``None``: no such bound.
     ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited) bound the requests submitted
     and not yet started, and their prompt tokens (:class:`AdmissionGate`)."""
 
     name: str
     model_name: str
     max_input_tokens: int
-    batcher: Batcher
-    device_slice: DeviceSlice | ProcessSlice
-    max_seq_tokens: int | None = None
+    device_slice: Slice
+    kind: str
+    kv_capacity_tokens: int | None = None
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None
-    # How its forward runs: {"configured", "running", "gate" (a gate record in brief) ...}.
-    backend_info: dict[str, Any] = field(default_factory=dict)
+    layout_no: int = 0  # which bucket layout of its model it belongs to (a reconfiguration adds one)
     gate: AdmissionGate = field(init=False, repr=False)
     closed: bool = field(default=False, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.max_queue_len, self.max_queued_tokens)
+
+    @property
+    def key(self) -> BucketKey:
+        """The bucket's name on its slice: ``(model name, bucket name, layout number)``."""
+        return (self.model_name, self.name, self.layout_no)
+
+    @property
+    def backend_info(self) -> dict[str, Any]:
+        """How its forward runs: ``{"configured", "running", "gate" (a gate record in brief) ...}``."""
+        return self.device_slice.backend_info(self.key)
 
     def close(self) -> None:
         """Take no new requests (a new layout replaced this bucket); those admitted run on."""
@@ -51,7 +61,7 @@ class Bucket:
 
     def is_idle(self) -> bool:
         """Nothing queued (admission tickets included) or running."""
-        stats = self.batcher.stats()
+        stats = self.device_slice.stats(self.key)
         return not (stats.num_waiting or stats.num_running or self.gate.num_queued)
 
     def set_queue_limits(self, max_queue_len: int, max_queued_tokens: int | None) -> None:
@@ -59,14 +69,27 @@ class Bucket:
         self.gate.set_limits(max_queue_len, max_queued_tokens)
         self.max_queue_len, self.max_queued_tokens = max_queue_len, max_queued_tokens
 
+    def update_settings(self, settings: BatcherSettings) -> None:
+        """New batcher settings, from its next step or batch on.
+
+        Raises:
+            ValueError: a setting fixed for the bucket's life differs (``block_size``).
+        """
+        self.device_slice.update_settings(self.key, settings)
+
+    def add_batch_observer(self, observer: BatchObserver) -> None:
+        """Call ``observer(num_seqs, num_tokens, num_padding_tokens)`` after each of its forwards."""
+        self.device_slice.add_batch_observer(self.key, observer)
+
     def submit(self, request: Request) -> None:
-        """Queue a request on this bucket's batcher and wake its slice (thread-safe).
+        """Queue a request on this bucket's slice, which wakes its worker (thread-safe).
 
         Raises:
             QueueFullError: the queue is at ``max_queue_len`` or ``max_queued_tokens``; nothing queued.
             DeadlineUnmeetableError: (a ``QueueFullError``) the queue's expected wait is past the
                 request's deadline; nothing queued.
             BucketClosedError: the bucket was replaced; nothing queued.
+            SliceUnavailableError: its slice's worker is (re)starting; nothing queued.
         """
         timeout_s = None if request.deadline_s is None else request.deadline_s - self.gate.clock()
         with self._lock:  # a close() either sees this ticket counted or this submit sees it closed
@@ -76,14 +99,13 @@ class Bucket:
         request.info["bucket"] = self.name
         request.on_dequeue = ticket.release
         try:
-            self.batcher.submit(request)
+            self.device_slice.submit(self.key, request)
         except BaseException:
             ticket.release()
             raise
-        self.device_slice.notify()
 
     def stats(self) -> BucketStats:
-        return replace(self.batcher.stats(), num_rejected=self.gate.num_rejected)
+        return replace(self.device_slice.stats(self.key), num_rejected=self.gate.num_rejected)
 
 
 class BucketTable:

@@ -65,6 +65,8 @@ class Request:
 
     ``on_dequeue`` is called when the request leaves its bucket's queue (it starts, is dropped
     or fails; :meth:`leave_queue`); the bucket sets it to release its admission ticket.
+    ``on_cancel`` is called with the request once, by the first :meth:`cancel`, on the
+    cancelling thread; its slice sets it (a process slice tells its worker to drop it).
     """
 
     request_id: str
@@ -79,6 +81,7 @@ class Request:
     _cancel_reason: str = field(default="cancelled", repr=False)
     seq_no: int = field(default_factory=lambda: next(_request_counter))
     on_dequeue: Callable[[], None] | None = field(default=None, repr=False)
+    on_cancel: Callable[[Request], None] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,9 +100,12 @@ class Request:
         """Ask the batcher to drop this request (client gone: ``"cancelled"``; deadline passed:
         ``"timeout"``). The first reason given stands. Thread-safe."""
         with _cancel_lock:
-            if not self._cancelled.is_set():
-                self._cancel_reason = reason
-                self._cancelled.set()
+            if self._cancelled.is_set():
+                return
+            self._cancel_reason = reason
+            self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
     def leave_queue(self) -> None:
         """Called by the batcher when the request starts or is dropped; later calls do nothing."""

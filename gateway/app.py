@@ -22,6 +22,7 @@ from gateway.errors import APIError, ConfigError
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
+from gateway.slice_worker import run_slice_worker
 from gateway.tuning import TuningLoop
 from gateway.routes.openai import OpenAIController
 
@@ -84,11 +85,11 @@ def _bucket_stats(bucket: Bucket) -> dict[str, Any]:
 
 def create_app(config: GatewayConfig) -> Litestar:
     """Build the gateway app for ``config``. Models load in the lifespan, before serving starts."""
-    engine = Engine(config)
+    engine = Engine(config, worker_main=run_slice_worker)
     metrics = Metrics(engine)
     engine.request_observers.append(metrics.observe_request)
     engine.bucket_hooks.append(
-        lambda model, bucket: bucket.batcher.add_batch_observer(metrics.batch_observer(model, bucket.name, bucket.batcher.kind))
+        lambda model, bucket: bucket.add_batch_observer(metrics.batch_observer(model, bucket.name, bucket.kind))
     )
 
     @asynccontextmanager

@@ -1,158 +1,34 @@
-"""Building and running what a config describes: slices, loaded models, bucket tables."""
+"""The served models of one gateway process and their life: load, unload, layout swap, knob
+patch, retire. Budgets are :mod:`gateway.memory`'s arithmetic; buckets and slices are built by
+:mod:`gateway.build`."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
-from pathlib import Path
 
 import structlog
 
 from buckets.bucket import Bucket, BucketTable
-from buckets.continuous import ContinuousBatcher
-from buckets.device_slice import DeviceSlice
-from buckets.process_slice import ProcessSlice
-from buckets.dynamic import DynamicBatcher
-from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from buckets.request import Request
-from gateway import runners
+from buckets.slices.slice import Slice
+from gateway import build, memory
+from gateway.build import BucketBuilder, WorkerMain
+from gateway.config import GatewayConfig, ModelConfig
 from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
-from gateway.slice_worker import make_slice, remote_bucket
-from gateway.config import BucketConfig, ContinuousBatcherConfig, DynamicBatcherConfig, GatewayConfig, ModelConfig
 from models.cpu_memory import release_memory
 from models.loader import LoadedModel, load_model
-from models.source import default_cache_dir
 
 log = structlog.get_logger(__name__)
 
 RequestObserver = Callable[[str, Request, int, str], None]
 # Called with (model name, bucket) for every bucket built, before it takes requests.
 BucketHook = Callable[[str, Bucket], None]
-
-DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
-DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION = 0.5
-
-
-def default_kv_cache_memory_bytes(device: str) -> int:
-    """A slice's KV budget when its config sets none: 2 GiB on a CPU, half the GPU's memory."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION)
-    return DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
-
-
-def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dict[tuple[str, str], int]:
-    """Each continuous bucket's KV pool in bytes, keyed by ``(model name, bucket name)``.
-
-    On each slice, explicit ``kv_cache_memory_bytes`` come first, then fractions of the slice's
-    budget; buckets with neither share what is left equally.
-
-    Raises:
-        ConfigError: a slice's buckets ask for more than its budget.
-    """
-    shares: dict[tuple[str, str], int] = {}
-    for slice_name, budget in slice_budgets.items():
-        owners = [(m.name, b) for m in config.models for b in m.buckets if b in config.continuous_buckets(slice_name)]
-        fixed = {
-            (name, b.bucket_name): int(b.batcher.kv_cache_memory_bytes or budget * (b.batcher.kv_cache_memory_fraction or 0))
-            for name, b in owners
-            if b.batcher.kv_cache_memory_bytes or b.batcher.kv_cache_memory_fraction  # type: ignore[union-attr]
-        }
-        left = budget - sum(fixed.values())
-        rest = [(name, b.bucket_name) for name, b in owners if (name, b.bucket_name) not in fixed]
-        if left < 0 or (rest and left == 0):
-            index = [s.name for s in config.slices].index(slice_name)
-            param = f"slices.{index}.kv_cache_memory_bytes"
-            raise ConfigError(
-                f"{param}: the continuous buckets of slice {slice_name!r} ask for "
-                f"{sum(fixed.values())} bytes of KV memory, its kv_cache_memory_bytes is {budget}",
-                param=param,
-                code="kv_cache_memory_exceeded",
-            )
-        shares.update(fixed)
-        shares.update({key: left // len(rest) for key in rest})
-    return shares
-
-
-def kv_num_blocks(
-    model: ModelConfig, loaded: LoadedModel, config: BucketConfig, kv_memory_bytes: dict[tuple[str, str], int]
-) -> int:
-    """The KV blocks of continuous bucket ``config`` of ``model``: its share of its slice's KV memory
-    (:func:`split_kv_memory`) in blocks of its ``block_size`` tokens.
-
-    Raises:
-        ConfigError: the share holds no block.
-    """
-    block_size = config.batcher.block_size  # type: ignore[union-attr]
-    memory_bytes = kv_memory_bytes[(model.name, config.bucket_name)]
-    num_blocks = int(loaded.kv_shape().num_blocks_for(memory_bytes, block_size, loaded.dtype_bytes))
-    if num_blocks < 1:
-        raise ConfigError(
-            f"models.{model.name}.buckets.{config.bucket_name}: {memory_bytes} bytes of KV memory hold no "
-            f"block of {block_size} tokens",
-            code="kv_cache_memory_exceeded",
-        )
-    return num_blocks
-
-
-def check_devices(config: GatewayConfig) -> None:
-    """Every ``cuda:N`` slice names a device torch can see.
-
-    Raises:
-        ConfigError: naming the slice's ``device`` path and what torch sees.
-    """
-    for index, slice_config in enumerate(config.slices):
-        if not slice_config.device.startswith("cuda:"):
-            continue
-        import torch
-
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(slice_config.device.split(":")[1]) >= count:
-            raise ConfigError(
-                f"slices.{index}.device: {slice_config.device} is not a CUDA device torch can use here "
-                f"(torch {torch.__version__} sees {count})"
-            )
-
-
-def weight_bytes(model: Any) -> int:
-    """Bytes held by a module's parameters and buffers (its weights, as loaded)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[tuple[str, str], int], weights: dict[str, int]) -> None:
-    """Every slice with a ``memory_budget_bytes`` holds the weights of the models with a bucket
-    on it (those in ``weights``: loaded so far) plus the KV pools of its continuous buckets.
-
-    Raises:
-        ConfigError: naming the slice, its weights and KV bytes, and its budget.
-    """
-    for index, slice_config in enumerate(config.slices):
-        budget = slice_config.memory_budget_bytes
-        if budget is None:
-            continue
-        models = [m.name for m in config.models if any(b.slice == slice_config.name for b in m.buckets)]
-        weights_total = sum(weights.get(name, 0) for name in models)
-        kv_total = sum(
-            kv_bytes.get((m.name, b.bucket_name), 0) for m in config.models for b in config.continuous_buckets(slice_config.name)
-            if b in m.buckets
-        )
-        if weights_total + kv_total > budget:
-            loaded = ", ".join(f"{name} {weights[name]}" for name in models if name in weights)
-            pending = [name for name in models if name not in weights]
-            if pending:
-                loaded += f"; not yet loaded, so not counted: {', '.join(pending)}"
-            param = f"slices.{index}.memory_budget_bytes"
-            raise ConfigError(
-                f"{param}: slice {slice_config.name!r} needs {weights_total + kv_total} bytes "
-                f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}), over its budget of {int(budget)}",
-                param=param,
-                code="memory_budget_exceeded",
-            )
 
 
 @dataclass
@@ -167,6 +43,7 @@ class ServedModel:
     loaded: LoadedModel
     table: BucketTable
     draining: bool = False
+    layout_no: int = 0  # bumped by each new bucket layout (its buckets' keys on their slices)
     # Called with (model name, request, completion tokens, outcome) once per finished request.
     request_observers: list[RequestObserver] = field(default_factory=list)
 
@@ -185,20 +62,9 @@ class ServedModel:
         return all(bucket.is_idle() for bucket in self.table.buckets)
 
 
-def continuous_settings(config: ContinuousBatcherConfig) -> ContinuousBatcherSettings:
-    return ContinuousBatcherSettings(
-        config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
-        config.priority_aging_s,
-    )
-
-
-def dynamic_settings(config: DynamicBatcherConfig) -> DynamicBatcherSettings:
-    return DynamicBatcherSettings(config.max_batch_size, config.max_queue_delay_ms, config.priority_aging_s)
-
-
 def drain_buckets(buckets: list[Bucket], timeout_s: float, poll_s: float = 0.02) -> tuple[float, int]:
     """Wait until ``buckets`` (closed or draining: taking no new requests) are idle, for at most
-    ``timeout_s``; then take their batchers off their slices and fail what is left.
+    ``timeout_s``; then take them off their slices, which fail what is left.
     Returns ``(seconds waited, requests failed)``."""
     started = time.monotonic()
     while not all(b.is_idle() for b in buckets) and time.monotonic() - started < timeout_s:
@@ -206,31 +72,42 @@ def drain_buckets(buckets: list[Bucket], timeout_s: float, poll_s: float = 0.02)
     drain_s = time.monotonic() - started
     num_unfinished = 0
     for bucket in buckets:
-        stats = bucket.batcher.stats()
+        stats = bucket.stats()
         num_unfinished += stats.num_waiting + stats.num_running
-        bucket.device_slice.detach(bucket.batcher)
-        bucket.batcher.shutdown()
+        bucket.device_slice.detach(bucket.key)  # fails what is left
     return drain_s, num_unfinished
 
 
 class Engine:
-    """Owns the device slices and served models of one gateway process.
+    """Owns the slices and served models of one gateway process (or of one slice worker
+    process, which runs an engine over its cut of the config).
 
     :meth:`start` loads every model (slow: seconds) and starts the slice workers; call it off the
     event loop. :meth:`stop` stops the workers and fails whatever is still queued.
+
+    Args:
+        config: the validated gateway config.
+        worker_main: what a process slice's worker runs (:func:`gateway.slice_worker.run_slice_worker`,
+            passed in by the app, so this module does not import the worker's code).
+
+    Raises:
+        ConfigError: a ``cuda:N`` slice torch cannot see, or KV shares over a slice's budget.
+        ValueError: a process slice and no ``worker_main``.
     """
 
-    def __init__(self, config: GatewayConfig):
-        check_devices(config)
+    def __init__(self, config: GatewayConfig, worker_main: WorkerMain | None = None):
+        build.check_devices(config)
         self.config = config
-        self.cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
-        self.slices: dict[str, DeviceSlice | ProcessSlice] = {s.name: make_slice(s, self) for s in config.slices}
+        self.cache_dir = build.cache_dir(config)
+        self.slices: dict[str, Slice] = {
+            s.name: build.make_slice(s, worker_main, functools.partial(self._worker_args, s.name)) for s in config.slices
+        }
         self.models: dict[str, ServedModel] = {}
         self.request_observers: list[RequestObserver] = []
         self.retiring: list[Bucket] = []  # closed buckets still draining after a layout change
         self.bucket_hooks: list[BucketHook] = []
-        self.kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
-        self.weight_bytes: dict[str, int] = {}  # per loaded model, for the slices' memory budgets
+        self.kv_memory_bytes = memory.split_kv_memory(config, build.slice_kv_budgets(config))
+        self.weight_bytes: dict[str, int] = {}  # per model loaded with weights here, for the slices' memory budgets
 
     def start(self) -> None:
         for model_config in self.config.models:
@@ -274,9 +151,7 @@ class Engine:
         Raises:
             ConfigError: its KV pools do not fit the slices' budgets.
         """
-        kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
-        check_slice_budgets(config, kv_memory_bytes, self.weight_bytes)
-        self.kv_memory_bytes = kv_memory_bytes
+        self._check_budgets(config)
         served = self._load(model, config)
         self.models[model.name] = served
         self.config = config
@@ -292,10 +167,9 @@ class Engine:
             ConfigError: the new KV pools do not fit the slices' budgets.
         """
         served = self.models[name]
-        kv_memory_bytes = split_kv_memory(config, self._slice_budgets())
-        check_slice_budgets(config, kv_memory_bytes, self.weight_bytes)
-        self.kv_memory_bytes = kv_memory_bytes
-        buckets = self._buckets(model, served.loaded)
+        self._check_budgets(config)
+        buckets = self._buckets(model, served.loaded, served.layout_no + 1)
+        served.layout_no += 1
         old = served.table.buckets
         served.table = BucketTable(buckets)  # one reference swap: routing sees old or new, whole
         for bucket in old:
@@ -316,11 +190,8 @@ class Engine:
         if bucket is None:
             raise KeyError(bucket_name)
         new = next(b for b in model.buckets if b.bucket_name == bucket_name)
-        knobs = new.batcher
-        settings = continuous_settings(knobs) if isinstance(knobs, ContinuousBatcherConfig) else dynamic_settings(knobs)
-        bucket.batcher.update_settings(settings)
+        bucket.update_settings(build.batcher_settings(new))
         bucket.set_queue_limits(new.max_queue_len, new.max_queued_tokens)
-        bucket.device_slice.notify()
         served.config = model
         self.config = config
 
@@ -341,71 +212,61 @@ class Engine:
         thread.start()
         return thread
 
-    def _slice_budgets(self) -> dict[str, int]:
-        return {
-            s.name: int(s.kv_cache_memory_bytes or default_kv_cache_memory_bytes(s.device)) for s in self.config.slices
-        }
+    def _worker_args(self, slice_name: str) -> tuple[Any, ...]:
+        """What slice ``slice_name``'s worker process is started with: the effective config
+        (plain JSON data), the slice's name and the gateway's log level."""
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        return self.config.model_dump(mode="json"), slice_name, level
+
+    def _check_budgets(self, config: GatewayConfig) -> None:
+        """Split the slices' KV memory for ``config`` and check their memory budgets with the
+        weights loaded so far; keep the split.
+
+        Raises:
+            ConfigError: the KV pools, with the weights, do not fit a slice's budgets.
+        """
+        kv_memory_bytes = memory.split_kv_memory(config, build.slice_kv_budgets(config))
+        memory.check_slice_budgets(config, kv_memory_bytes, self.weight_bytes)
+        self.kv_memory_bytes = kv_memory_bytes
+
+    def _needs_weights(self, config: ModelConfig) -> bool:
+        """Whether a bucket of ``config`` runs in this process (on a slice that needs weights)."""
+        return any(self.slices[b.slice].needs_weights for b in config.buckets)
 
     def _load(self, config: ModelConfig, gateway_config: GatewayConfig | None = None) -> ServedModel:
         """Load a model, check the slices' memory budgets with its weights, build its buckets.
+        A model whose buckets all run in worker processes loads without weights (a tokenizer,
+        its config and KV geometry): each worker loads its own.
 
         Raises:
             ConfigError: its weights and KV pools do not fit a slice's ``memory_budget_bytes``
                 (the model is dropped again).
         """
-        first_slice = self.slices[config.buckets[0].slice]
-        # A process slice's worker holds the weights it runs; the gateway's copy (for the
-        # tokenizer and the KV geometry) stays on the CPU.
-        device = "cpu" if isinstance(first_slice, ProcessSlice) else first_slice.device
-        loaded = load_model(config.name, config.source, config.task, config.dtype, device, self.cache_dir)
-        log.info("model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3))
-        weights = {**self.weight_bytes, config.name: weight_bytes(loaded.model)}
+        weights = self._needs_weights(config)
+        device = next((self.slices[b.slice].device for b in config.buckets if self.slices[b.slice].needs_weights), "cpu")
+        loaded = load_model(config.name, config.source, config.task, config.dtype, device, self.cache_dir, weights=weights)
+        model_weight_bytes = memory.weight_bytes(loaded.model) if weights else None
+        log.info(
+            "model_loaded", model=config.name, folder=str(loaded.folder), load_s=round(loaded.load_s, 3),
+            weight_bytes=model_weight_bytes,  # None: loaded without weights (its buckets run in worker processes)
+        )
+        all_weights = self.weight_bytes if model_weight_bytes is None else {**self.weight_bytes, config.name: model_weight_bytes}
         try:
-            check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, weights)
+            memory.check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, all_weights)
         except ConfigError:
             loaded = None  # type: ignore[assignment]  # drop the weights: the traceback keeps this frame
             release_memory()
             raise
-        self.weight_bytes = weights
+        self.weight_bytes = all_weights
         buckets = self._buckets(config, loaded)
         return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)
 
-    def _buckets(self, config: ModelConfig, loaded: LoadedModel) -> list[Bucket]:
-        """Build ``config``'s buckets on ``loaded`` and attach them to their slices."""
-        buckets = [self._bucket(config, loaded, b) for b in config.buckets]
+    def _buckets(self, config: ModelConfig, loaded: LoadedModel, layout_no: int = 0) -> list[Bucket]:
+        """Build ``config``'s buckets (its ``layout_no``-th layout) on ``loaded``, attached to their
+        slices, and hand each to the bucket hooks (before any request can reach it)."""
+        builder = BucketBuilder(self.cache_dir, self.config.gate, self.kv_memory_bytes)
+        buckets = [builder.bucket(config, loaded, b, self.slices[b.slice], layout_no) for b in config.buckets]
         for bucket in buckets:
             for hook in self.bucket_hooks:
                 hook(config.name, bucket)
-            bucket.device_slice.attach(bucket.batcher)
         return buckets
-
-    def _bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig) -> Bucket:
-        device_slice = self.slices[config.slice]
-        if isinstance(device_slice, ProcessSlice):
-            return remote_bucket(model, loaded, config, device_slice, self.kv_memory_bytes)
-        batcher: ContinuousBatcher | DynamicBatcher
-        info: dict[str, Any] = {"configured": config.backend}
-        if isinstance(config.batcher, ContinuousBatcherConfig):
-            knobs = config.batcher
-            settings = continuous_settings(knobs)
-            num_blocks = kv_num_blocks(model, loaded, config, self.kv_memory_bytes)
-            label = runners.backend_label(self.cache_dir, self.config.gate, model, loaded, config, device_slice.num_threads, info)
-            runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
-            batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
-            log.info(
-                "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
-                block_size=knobs.block_size, kv_cache_bytes=runner.kv_cache.nbytes,
-            )
-        else:
-            from models.encoder import EmbeddingRunner
-
-            label = runners.backend_label(self.cache_dir, self.config.gate, model, loaded, config, device_slice.num_threads, info)
-            backend = runners.encoder_backend(self.cache_dir, model, loaded, config, label, device_slice.num_threads, info)
-            pad_id = loaded.tokenizer.pad_token_id or 0
-            runner = EmbeddingRunner(backend, pad_id, loaded.device, loaded.folder)
-            batcher = DynamicBatcher(runner, dynamic_settings(config.batcher))
-        max_seq_tokens = batcher.max_seq_tokens if isinstance(batcher, ContinuousBatcher) else None
-        return Bucket(
-            config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens,
-            max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens, backend_info=info,
-        )

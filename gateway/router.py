@@ -100,10 +100,10 @@ class Router:
                 param=param,
                 code="prompt_too_long",
             )
-        if bucket.max_seq_tokens is not None and num_prompt_tokens + max_tokens > bucket.max_seq_tokens:
+        if bucket.kv_capacity_tokens is not None and num_prompt_tokens + max_tokens > bucket.kv_capacity_tokens:
             raise invalid_request(
                 f"The prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV cache than "
-                f"bucket '{bucket.name}' of '{served.config.name}' holds: {bucket.max_seq_tokens} tokens",
+                f"bucket '{bucket.name}' of '{served.config.name}' holds: {bucket.kv_capacity_tokens} tokens",
                 param="max_tokens",
                 code="kv_cache_capacity_exceeded",
             )

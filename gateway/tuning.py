@@ -100,7 +100,7 @@ class TuningLoop:
                 state = self.buckets.get(key)
                 if state is None or state.bucket_id != id(bucket) or state.slo != bucket_config.slo:
                     knobs = bucket_config.batcher.model_dump()
-                    state = BucketTuning(id(bucket), bucket_config.slo, tuners_for(bucket_config.slo, bucket.batcher.kind, knobs), now, now)
+                    state = BucketTuning(id(bucket), bucket_config.slo, tuners_for(bucket_config.slo, bucket.kind, knobs), now, now)
                     self.buckets[key] = state
                 if now < state.next_s:
                     continue

@@ -13,14 +13,19 @@ from models.source import model_folder
 Task = Literal["generate", "embed"]
 
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to run: weights on ``device``, its tokenizer, and facts the gateway needs.
+    """A model ready to run, or to tokenize for: its tokenizer, its config, and facts the
+    gateway needs; its weights on ``device`` unless it was loaded without them.
 
-    ``eos_token_ids`` are the ids that end generation (tokenizer and generation config merged).
-    ``load_s`` is the wall time the load took, in seconds.
+    ``model`` is ``None`` when loaded with ``weights=False`` (its buckets run in another
+    process: the gateway only tokenizes and reads the KV geometry). ``model_config`` is the
+    Hugging Face config. ``eos_token_ids`` are the ids that end generation (tokenizer and
+    generation config merged). ``dtype_bytes`` is bytes per element of the weights and of the
+    KV cache, which uses the same dtype. ``load_s`` is the wall time the load took, in seconds.
     """
 
     name: str
@@ -31,19 +36,24 @@ class LoadedModel:
     device: str
     eos_token_ids: frozenset[int]
     load_s: float
+    model_config: Any
+    dtype_bytes: int
 
     @property
-    def dtype_bytes(self) -> int:
-        """Bytes per element of the weights (and of the KV cache, which uses the same dtype)."""
-        return next(self.model.parameters()).element_size()
+    def has_weights(self) -> bool:
+        return self.model is not None
 
     def kv_shape(self) -> KVShape:
         """The decoder's KV geometry (generation models only)."""
-        return KVShape.from_config(self.model.config)
+        return KVShape.from_config(self.model_config)
 
 
-def load_model(name: str, source: str, task: Task, dtype: str, device: str, cache_dir: Path) -> LoadedModel:
-    """Load ``source`` for ``task`` on ``device`` with ``dtype`` weights.
+def load_model(
+    name: str, source: str, task: Task, dtype: str, device: str, cache_dir: Path, weights: bool = True
+) -> LoadedModel:
+    """Load ``source`` for ``task`` on ``device`` with ``dtype`` weights; with ``weights=False``,
+    only its tokenizer, config and generation config (no model instantiated: milliseconds and
+    no weight memory).
 
     Generation models load as ``AutoModelForCausalLM`` with Sluice's packed attention registered
     (see :mod:`models.attention`); embedding models as ``AutoModel``.
@@ -52,15 +62,38 @@ def load_model(name: str, source: str, task: Task, dtype: str, device: str, cach
         ModelSourceError: the source does not resolve to a model folder.
         OSError, ValueError: transformers cannot load the folder.
     """
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
-    from models.attention import ATTENTION_NAME, register_attention
+    from transformers import AutoConfig, AutoTokenizer
 
     started = time.perf_counter()
     folder = model_folder(source, cache_dir)
-    torch_dtype = getattr(torch, DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = _load_weights(folder, task, dtype, device) if weights else None
+    model_config = model.config if model is not None else AutoConfig.from_pretrained(folder)
+    generation_config = getattr(model, "generation_config", None) if model is not None else _generation_config(folder, model_config)
+    return LoadedModel(
+        name=name,
+        task=task,
+        folder=folder,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        eos_token_ids=_eos_token_ids(generation_config, tokenizer),
+        load_s=time.perf_counter() - started,
+        model_config=model_config,
+        dtype_bytes=DTYPE_BYTES[dtype],
+    )
+
+
+def _load_weights(folder: Path, task: Task, dtype: str, device: str) -> Any:
+    """The model in ``folder`` with ``dtype`` weights on ``device``, in eval mode; a decoder
+    with Sluice's attention, fused norms and prepacked linears."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from models.attention import ATTENTION_NAME, register_attention
+
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    model: Any
     if task == "generate":
         register_attention()
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=ATTENTION_NAME)
@@ -73,21 +106,22 @@ def load_model(name: str, source: str, task: Task, dtype: str, device: str, cach
 
         fuse_rms_norms(model)
         prepack_linears(model)
-    return LoadedModel(
-        name=name,
-        task=task,
-        folder=folder,
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        eos_token_ids=_eos_token_ids(model, tokenizer),
-        load_s=time.perf_counter() - started,
-    )
+    return model
 
 
-def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+def _generation_config(folder: Path, model_config: Any) -> Any:
+    """The folder's generation config, as ``from_pretrained`` of the model would set it."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except OSError:
+        return GenerationConfig.from_model_config(model_config)
+
+
+def _eos_token_ids(generation_config: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    generation_eos = getattr(generation_config, "eos_token_id", None)
     for value in (generation_eos, tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)

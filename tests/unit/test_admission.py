@@ -14,7 +14,7 @@ from buckets.request import EmbeddingRequest
 from buckets.sequence import SequenceStatus
 from buckets.settings import DynamicBatcherSettings
 from policies.admission import RateWindow, refusal_reason, retry_after_s
-from tests.unit.test_bucket_table import make_bucket
+from tests.unit.test_bucket_table import dummy_batcher, make_bucket
 from tests.unit.test_scheduler import FakeClock, FakeRunner, Recorder, drain, make_batcher, make_request
 
 # --- policies ---------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def test_bucket_submit_raises_queue_full_and_queues_nothing() -> None:
     with pytest.raises(QueueFullError) as info:
         bucket.submit(requests[2])
     assert info.value.retry_after_s >= 1
-    assert bucket.batcher.submitted == requests[:2]  # type: ignore[attr-defined]
+    assert dummy_batcher(bucket).submitted == requests[:2]
     requests[0].leave_queue()
     bucket.submit(requests[2])
     assert bucket.gate.num_queued == 2

@@ -109,7 +109,7 @@ def test_backend_and_quantization_rules() -> None:
 
 
 def test_slice_budgets_count_weights_of_loaded_models_and_kv_pools() -> None:
-    from gateway.engine import check_slice_budgets
+    from gateway.memory import check_slice_budgets
 
     data = make_config_data()
     data["slices"][0]["memory_budget_bytes"] = 1000
@@ -129,7 +129,7 @@ def test_slice_budgets_count_weights_of_loaded_models_and_kv_pools() -> None:
 def test_a_cuda_slice_without_that_device_is_a_config_error() -> None:
     import torch
 
-    from gateway.engine import check_devices
+    from gateway.build import check_devices
 
     data = make_config_data()
     data["slices"][0]["device"] = "cuda:7"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from buckets.bucket import Bucket, BucketTable
-from buckets.device_slice import DeviceSlice
 from buckets.request import Request
+from buckets.settings import DynamicBatcherSettings
+from buckets.slices.slice import BucketSpec
+from buckets.slices.thread import ThreadSlice
 from buckets.stats import BucketStats
 
 
@@ -34,14 +36,26 @@ class _DummyBatcher:
         pass
 
 
-def make_bucket(max_input_tokens: int, name: str | None = None) -> Bucket:
-    return Bucket(
+def make_bucket(max_input_tokens: int, name: str | None = None, kv_capacity_tokens: int | None = None) -> Bucket:
+    """A bucket on a thread slice (never started) whose batcher is a :class:`_DummyBatcher`
+    (reach it with :func:`dummy_batcher`)."""
+    bucket = Bucket(
         name=name or f"le{max_input_tokens}",
         model_name="m",
         max_input_tokens=max_input_tokens,
-        batcher=_DummyBatcher(),
-        device_slice=DeviceSlice("s", "cpu", num_threads=1),  # never started
+        device_slice=ThreadSlice("s", "cpu", num_threads=1),
+        kind="dummy",
+        kv_capacity_tokens=kv_capacity_tokens,
     )
+    bucket.device_slice.attach(bucket.key, BucketSpec("dummy", DynamicBatcherSettings(1, 0.0), _DummyBatcher))
+    return bucket
+
+
+def dummy_batcher(bucket: Bucket) -> _DummyBatcher:
+    """The dummy batcher of a bucket from :func:`make_bucket`."""
+    batcher = bucket.device_slice._batchers[bucket.key]  # type: ignore[attr-defined]
+    assert isinstance(batcher, _DummyBatcher)
+    return batcher
 
 
 def make_table(*limits: int) -> BucketTable:
@@ -94,5 +108,20 @@ def test_submit_hands_the_request_to_the_batcher_and_tags_the_bucket() -> None:
     bucket = make_bucket(16)
     request = Request(request_id="r", prompt_token_ids=[1, 2], sink=lambda event: None)
     bucket.submit(request)
-    assert bucket.batcher.submitted == [request]  # type: ignore[attr-defined]
+    assert dummy_batcher(bucket).submitted == [request]
     assert request.info["bucket"] == "le16"
+
+
+def test_a_new_layout_may_reuse_a_bucket_name_on_the_same_slice() -> None:
+    shared = ThreadSlice("s", "cpu", num_threads=1)  # never started
+    old, new = (Bucket("le16", "m", 16, shared, "dummy", layout_no=n) for n in (0, 1))
+    batchers = {0: _DummyBatcher(), 1: _DummyBatcher()}
+    for bucket in (old, new):
+        shared.attach(bucket.key, BucketSpec("dummy", DynamicBatcherSettings(1, 0.0), lambda n=bucket.layout_no: batchers[n]))
+    assert old.key != new.key
+    first, second = (Request(request_id=f"r{n}", prompt_token_ids=[1], sink=lambda event: None) for n in (0, 1))
+    old.submit(first)
+    new.submit(second)
+    assert batchers[0].submitted == [first] and batchers[1].submitted == [second]
+    shared.detach(old.key)  # the old layout drains away; the new one stays
+    assert shared.backend_info(new.key) == {} and new.key in shared._batchers and old.key not in shared._batchers

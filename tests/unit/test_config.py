@@ -193,7 +193,7 @@ def test_a_step_budget_below_the_prompt_limit_is_fine_prompts_are_chunked() -> N
 
 
 def test_kv_memory_sizes_take_units_and_split_over_the_slice() -> None:
-    from gateway.engine import split_kv_memory
+    from gateway.memory import split_kv_memory
 
     data = make_config_data()
     data["slices"][0]["kv_cache_memory_bytes"] = "1GiB"
@@ -222,7 +222,7 @@ def test_kv_memory_fractions_over_one_are_rejected() -> None:
 
 
 def test_kv_memory_over_the_slice_budget_is_a_config_error() -> None:
-    from gateway.engine import split_kv_memory
+    from gateway.memory import split_kv_memory
 
     data = make_config_data()
     data["models"][0]["buckets"][0]["batcher"]["kv_cache_memory_bytes"] = "2GiB"

@@ -1,10 +1,12 @@
 """Process slices without processes: the wire messages, the gateway's ProcessSlice against a
-fake worker on a thread (crash, restart, cancellation, stats), and the worker's SliceHost
-against a real dynamic batcher on a thread slice."""
+fake worker on a thread (crash, restart, cancellation through the request's callback, stats it
+owns for its buckets), and the worker's SliceHost against a real dynamic batcher on a thread
+slice, through the Slice protocol alone."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from dataclasses import asdict
@@ -12,8 +14,7 @@ from typing import Any, Callable
 
 import pytest
 
-from buckets import process_slice as process_slice_module
-from buckets.device_slice import DeviceSlice
+from buckets.batcher import Batcher
 from buckets.dynamic import DynamicBatcher
 from buckets.errors import (
     BatchFailedError,
@@ -23,12 +24,11 @@ from buckets.errors import (
     SliceUnavailableError,
     WorkerCrashedError,
 )
-from buckets.process_slice import ProcessSlice
-from buckets.remote_batcher import RemoteBatcher
 from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, GenerationRequest, RequestEvent, TokenEvent
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
-from buckets.slice_host import SliceHost
-from buckets.slice_messages import (
+from buckets.slices import process as process_slice_module
+from buckets.slices.host import SliceHost
+from buckets.slices.messages import (
     decode_error,
     decode_event,
     decode_request,
@@ -37,11 +37,23 @@ from buckets.slice_messages import (
     encode_request,
     encode_stats,
 )
+from buckets.slices.process import ProcessSlice
+from buckets.slices.slice import BatcherSettings, BucketSpec, Slice, SliceState
+from buckets.slices.thread import ThreadSlice
 from buckets.stats import Counters
 from models.step_io import SamplingParams
 
-KEY = ("model-a", "le16")
+KEY = ("model-a", "le16", 0)
 TIMEOUT_S = 10.0
+
+
+def remote_spec(kind: str, settings: BatcherSettings) -> BucketSpec:
+    """A spec for a bucket a worker runs: the gateway side never builds its batcher."""
+
+    def make_batcher() -> Batcher:
+        raise AssertionError("a process slice never builds a batcher here")
+
+    return BucketSpec(kind, settings, make_batcher)
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> Any:
@@ -177,10 +189,9 @@ class FakeProcessSlice(ProcessSlice):
 @pytest.fixture
 def fake_slice() -> Any:
     device_slice = FakeProcessSlice()
-    batcher = RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0))
-    device_slice.attach(batcher)
+    device_slice.attach(KEY, remote_spec("dynamic", DynamicBatcherSettings(4, 5.0)))
     device_slice.start()
-    yield device_slice, batcher
+    yield device_slice
     device_slice.stop(timeout_s=2.0)
 
 
@@ -191,14 +202,14 @@ def make_request(first_token: int, events: list[RequestEvent]) -> EmbeddingReque
 
 
 def test_a_request_goes_to_the_worker_and_its_event_comes_back(fake_slice: Any) -> None:
-    device_slice, batcher = fake_slice
-    assert device_slice.state == "ready" and device_slice.worker_pid == 1000
-    assert batcher.backend_info == {"running": "eager"}
+    device_slice = fake_slice
+    assert device_slice.state is SliceState.READY and device_slice.worker_pid == 1000
+    assert device_slice.backend_info(KEY) == {"running": "eager"}
     events: list[RequestEvent] = []
     dequeued: list[bool] = []
     request = make_request(1, events)
     request.on_dequeue = lambda: dequeued.append(True)
-    batcher.submit(request)
+    device_slice.submit(KEY, request)
     wait_for(lambda: events)
     assert events == [EmbeddingEvent([3.0], 3)]
     assert request.timeline == {"arrival": 1.0, "started": 5.0, "first_token": 6.0}
@@ -207,11 +218,11 @@ def test_a_request_goes_to_the_worker_and_its_event_comes_back(fake_slice: Any) 
 
 
 def test_a_cancelled_request_is_forwarded_and_leaves_its_queue(fake_slice: Any) -> None:
-    device_slice, batcher = fake_slice
+    device_slice = fake_slice
     dequeued: list[bool] = []
     request = make_request(0, [])
     request.on_dequeue = lambda: dequeued.append(True)
-    batcher.submit(request)
+    device_slice.submit(KEY, request)
     request.cancel("timeout")
     process = device_slice.processes[0]
     cancel = wait_for(lambda: [m for m in process.received if m[0] == "cancel"])
@@ -219,56 +230,90 @@ def test_a_cancelled_request_is_forwarded_and_leaves_its_queue(fake_slice: Any) 
     assert not device_slice._in_flight
 
 
+def test_a_request_cancelled_before_its_callback_was_set_is_forwarded_at_submit(fake_slice: Any) -> None:
+    device_slice = fake_slice
+    request = make_request(0, [])
+    request.cancel("cancelled")  # the client went away between admission and the slice
+    device_slice.submit(KEY, request)
+    process = device_slice.processes[0]
+    cancel = wait_for(lambda: [m for m in process.received if m[0] == "cancel"])
+    assert cancel[0][2] == "cancelled" and not device_slice._in_flight and not device_slice._request_nos
+
+
+def test_cancel_is_a_callback_not_a_poll(fake_slice: Any) -> None:
+    device_slice = fake_slice
+    assert not [t for t in threading.enumerate() if t.name.endswith("-cancel")]
+    request = make_request(0, [])
+    device_slice.submit(KEY, request)
+    assert request.on_cancel == device_slice.cancel
+    request.cancel("timeout")
+    request.cancel("cancelled")  # only the first cancel calls back
+    assert not device_slice._in_flight  # forwarded on the cancelling thread, at once
+    process = device_slice.processes[0]
+    wait_for(lambda: [m for m in process.received if m[0] == "cancel"])
+    assert [m[2] for m in process.received if m[0] == "cancel"] == ["timeout"]
+
+
+def test_detaching_a_bucket_fails_its_requests_and_forgets_it(fake_slice: Any) -> None:
+    device_slice = fake_slice
+    events: list[RequestEvent] = []
+    device_slice.submit(KEY, make_request(0, events))
+    device_slice.detach(KEY)
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent) and isinstance(events[0].error, ShuttingDownError)
+    with pytest.raises(KeyError):
+        device_slice.stats(KEY)
+
+
 def test_a_crash_fails_requests_in_flight_refuses_new_ones_and_restarts(fake_slice: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(process_slice_module, "RESTART_BACKOFF_S", 1.0)
-    device_slice, batcher = fake_slice
+    device_slice = fake_slice
     events: list[RequestEvent] = []
-    batcher.submit(make_request(0, events))
-    batcher.submit(make_request(0, events))
+    device_slice.submit(KEY, make_request(0, events))
+    device_slice.submit(KEY, make_request(0, events))
     wait_for(lambda: len(device_slice.processes[0].received) == 2)
     device_slice.processes[0].crash()
     wait_for(lambda: len(events) == 2)
     assert all(isinstance(e, ErrorEvent) and isinstance(e.error, WorkerCrashedError) for e in events)
-    assert device_slice.state == "restarting" and device_slice.worker_pid is None
+    assert device_slice.state is SliceState.RESTARTING and device_slice.worker_pid is None
     with pytest.raises(SliceUnavailableError):
-        batcher.submit(make_request(1, []))
-    wait_for(lambda: device_slice.state == "ready")
+        device_slice.submit(KEY, make_request(1, []))
+    wait_for(lambda: device_slice.state is SliceState.READY)
     assert device_slice.num_restarts == 1 and device_slice.worker_pid == 1001
     served: list[RequestEvent] = []
-    batcher.submit(make_request(2, served))
+    device_slice.submit(KEY, make_request(2, served))
     wait_for(lambda: served)
     assert isinstance(served[0], EmbeddingEvent)
 
 
 def test_stats_and_batches_pushed_by_the_worker_show_here(fake_slice: Any) -> None:
-    device_slice, batcher = fake_slice
+    device_slice = fake_slice
     seen: list[tuple[int, int, int]] = []
-    batcher.add_batch_observer(lambda *args: seen.append(args))
+    device_slice.add_batch_observer(KEY, lambda *args: seen.append(args))
     stats = Counters(num_steps=4).snapshot("dynamic", 2, 0)
     device_slice.processes[0].conn.send(("stats", {KEY: asdict(stats)}, 1.5, 0.25))
     device_slice.processes[0].conn.send(("batch", KEY, 2, 10, 1))
     wait_for(lambda: seen)
-    assert batcher.stats() == stats and seen == [(2, 10, 1)]
+    assert device_slice.stats(KEY) == stats and seen == [(2, 10, 1)]
     assert device_slice.busy_s == 1.5 and device_slice.busy_ratio() == 0.25
 
 
 def test_stop_fails_what_is_in_flight(fake_slice: Any) -> None:
-    device_slice, batcher = fake_slice
+    device_slice = fake_slice
     events: list[RequestEvent] = []
-    batcher.submit(make_request(0, events))
+    device_slice.submit(KEY, make_request(0, events))
     device_slice.stop(timeout_s=2.0)
     assert len(events) == 1 and isinstance(events[0], ErrorEvent) and isinstance(events[0].error, ShuttingDownError)
-    assert device_slice.state == "stopped"
+    assert device_slice.state is SliceState.STOPPED
     assert ("stop",) in device_slice.processes[0].received
 
 
 def test_a_continuous_bucket_refuses_a_new_block_size() -> None:
     device_slice = FakeProcessSlice()
-    batcher = RemoteBatcher(KEY, "continuous", device_slice, ContinuousBatcherSettings(8, 64, block_size=16))
+    device_slice.attach(KEY, remote_spec("continuous", ContinuousBatcherSettings(8, 64, block_size=16)))
     with pytest.raises(ValueError, match="block_size"):
-        batcher.update_settings(ContinuousBatcherSettings(8, 64, block_size=32))
-    batcher.update_settings(ContinuousBatcherSettings(4, 64, block_size=16))
-    assert batcher.settings.max_num_seqs == 4
+        device_slice.update_settings(KEY, ContinuousBatcherSettings(8, 64, block_size=32))
+    device_slice.update_settings(KEY, ContinuousBatcherSettings(4, 64, block_size=16))
+    assert device_slice._buckets[KEY].settings.max_num_seqs == 4  # type: ignore[union-attr]
 
 
 # -- SliceHost with a real dynamic batcher ---------------------------------------------------
@@ -285,16 +330,16 @@ class LengthRunner:
 
 
 def test_the_host_serves_a_batcher_over_the_pipe() -> None:
-    device_slice = DeviceSlice("cpu-w", "cpu", 1)
-    batcher = DynamicBatcher(LengthRunner(), DynamicBatcherSettings(4, 0.0))
-    device_slice.attach(batcher)
-    device_slice.start()
+    settings = DynamicBatcherSettings(4, 0.0)
+    local_slice: Slice = ThreadSlice("cpu-w", "cpu", 1)
+    local_slice.attach(KEY, BucketSpec("dynamic", settings, lambda: DynamicBatcher(LengthRunner(), settings), {"running": "eager"}))
+    local_slice.start()
     ours, theirs = multiprocessing.Pipe()
-    host = SliceHost(theirs, device_slice, {KEY: batcher}, {KEY: {"running": "eager"}}, stats_interval_s=0.01)
+    host = SliceHost(theirs, local_slice, [KEY], stats_interval_s=0.01)
     serving = threading.Thread(target=host.serve, daemon=True)
     serving.start()
     try:
-        assert ours.recv()[0] == "ready"
+        assert ours.recv() == ("ready", os.getpid(), {KEY: {"running": "eager"}})
         request = make_request(3, [])
         ours.send(("submit", KEY, encode_request(11, request)))
         got: dict[str, Any] = {}
@@ -313,7 +358,7 @@ def test_the_host_serves_a_batcher_over_the_pipe() -> None:
     finally:
         ours.send(("stop",))
         serving.join(TIMEOUT_S)
-        device_slice.stop()
+        local_slice.stop()
         host.close()
     assert not serving.is_alive()
 
@@ -321,12 +366,12 @@ def test_the_host_serves_a_batcher_over_the_pipe() -> None:
 def test_a_worker_that_never_gets_ready_is_killed_and_another_started(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(process_slice_module, "RESTART_BACKOFF_S", 0.01)
     device_slice = FakeProcessSlice(never_ready=(1,), start_timeout_s=0.5)
-    device_slice.attach(RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0)))
+    device_slice.attach(KEY, remote_spec("dynamic", DynamicBatcherSettings(4, 5.0)))
     device_slice.start()
     try:
         device_slice.processes[0].crash()
         wait_for(lambda: device_slice.num_restarts == 1)
-        assert device_slice.state == "ready" and device_slice.worker_pid == 1002
+        assert device_slice.state is SliceState.READY and device_slice.worker_pid == 1002
         assert not device_slice.processes[1].is_alive()
     finally:
         device_slice.stop(timeout_s=2.0)
@@ -335,18 +380,18 @@ def test_a_worker_that_never_gets_ready_is_killed_and_another_started(monkeypatc
 def test_stop_during_a_restart_starts_no_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(process_slice_module, "RESTART_BACKOFF_S", 0.5)
     device_slice = FakeProcessSlice()
-    device_slice.attach(RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0)))
+    device_slice.attach(KEY, remote_spec("dynamic", DynamicBatcherSettings(4, 5.0)))
     device_slice.start()
     device_slice.processes[0].crash()
-    wait_for(lambda: device_slice.state == "restarting")
+    wait_for(lambda: device_slice.state is SliceState.RESTARTING)
     device_slice.stop(timeout_s=2.0)
     time.sleep(1.0)
-    assert len(device_slice.processes) == 1 and device_slice.state == "stopped"
+    assert len(device_slice.processes) == 1 and device_slice.state is SliceState.STOPPED
 
 
 def test_a_first_worker_that_dies_fails_the_start() -> None:
     device_slice = FakeProcessSlice(never_ready=(0,), start_timeout_s=0.3)
-    device_slice.attach(RemoteBatcher(KEY, "dynamic", device_slice, DynamicBatcherSettings(4, 5.0)))
+    device_slice.attach(KEY, remote_spec("dynamic", DynamicBatcherSettings(4, 5.0)))
     with pytest.raises(RuntimeError, match="did not start"):
         device_slice.start()
-    assert device_slice.state == "stopped" and len(device_slice.processes) == 1
+    assert device_slice.state is SliceState.FAILED and len(device_slice.processes) == 1

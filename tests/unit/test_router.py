@@ -6,19 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from buckets.bucket import Bucket, BucketTable
-from buckets.device_slice import DeviceSlice
+from buckets.bucket import BucketTable
 from gateway.errors import APIError
 from gateway.router import Router
-from tests.unit.test_bucket_table import _DummyBatcher
+from tests.unit.test_bucket_table import make_bucket
 
 
 def make_served(max_model_len: int = 4096, pool_tokens: tuple[int | None, ...] = (None, None)) -> SimpleNamespace:
-    slice_ = DeviceSlice("s", "cpu", 1)
-    buckets = [
-        Bucket(f"le{limit}", "m", limit, _DummyBatcher(), slice_, max_seq_tokens=pool)
-        for limit, pool in zip((64, 512), pool_tokens)
-    ]
+    buckets = [make_bucket(limit, kv_capacity_tokens=pool) for limit, pool in zip((64, 512), pool_tokens)]
     return SimpleNamespace(config=SimpleNamespace(name="m", max_model_len=max_model_len), table=BucketTable(buckets))
 
 

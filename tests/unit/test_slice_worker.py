@@ -1,20 +1,24 @@
 """gateway.slice_worker and the HTTP side of process slices, without processes: the worker's cut
-of the config keeps each bucket's KV share, the engine builds the slice each config asks for,
-and a dead or restarting worker is a 503 with Retry-After."""
+of the config keeps each bucket's KV share, the build code makes the slice each config asks for
+(with the worker main it is given), and a dead or restarting worker is a 503 with Retry-After."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
+from typing import get_args
 
-from buckets.device_slice import DeviceSlice
+import pytest
+
 from buckets.errors import BatchFailedError, SliceUnavailableError, WorkerCrashedError
-from buckets.process_slice import ProcessSlice
-from gateway.config import GatewayConfig, parse_config
-from gateway.engine import split_kv_memory
+from buckets.slices.kinds import SLICE_KINDS
+from buckets.slices.process import ProcessSlice
+from buckets.slices.thread import ThreadSlice
+from gateway.build import make_slice
+from gateway.config import GatewayConfig, SliceConfig, parse_config
+from gateway.engine import Engine
 from gateway.errors import slice_unavailable
+from gateway.memory import split_kv_memory
 from gateway.routes.generation import core_failure
-from gateway.slice_worker import make_slice, worker_config
+from gateway.slice_worker import run_slice_worker, worker_config
 
 
 def two_slice_config() -> GatewayConfig:
@@ -53,13 +57,26 @@ def test_the_worker_config_holds_its_slice_and_its_buckets_alone() -> None:
 
 def test_each_slice_gets_the_worker_its_isolation_names() -> None:
     config = two_slice_config()
-    engine: Any = SimpleNamespace(config=config)
-    process = make_slice(config.slices[0], engine)
-    thread = make_slice(config.slices[1], engine)
+    engine = Engine(config, worker_main=run_slice_worker)
+    process, thread = engine.slices["proc"], engine.slices["thr"]
     assert isinstance(process, ProcessSlice) and process.isolation == "process" and process.num_threads == 2
-    assert isinstance(thread, DeviceSlice) and thread.isolation == "thread"
+    assert isinstance(thread, ThreadSlice) and thread.isolation == "thread"
+    assert not process.needs_weights and thread.needs_weights
+    assert process._target is run_slice_worker
     config_data, slice_name, level = process._worker_args()
     assert slice_name == "proc" and GatewayConfig.model_validate(config_data) == config and isinstance(level, str)
+
+
+def test_every_isolation_the_config_accepts_is_a_slice_kind() -> None:
+    isolations = get_args(SliceConfig.model_fields["isolation"].annotation)
+    assert set(isolations) == set(SLICE_KINDS) == {"thread", "process"}
+
+
+def test_a_process_slice_needs_a_worker_main_to_run() -> None:
+    config = two_slice_config()
+    with pytest.raises(ValueError, match="isolation: process"):
+        make_slice(config.slices[0], None, lambda: ())
+    assert isinstance(make_slice(config.slices[1], None, lambda: ()), ThreadSlice)
 
 
 def test_a_crashed_worker_is_a_503_with_retry_after_and_other_failures_a_500() -> None:

@@ -14,7 +14,7 @@ Worker -> gateway:
     ``("batch", key, num_seqs, num_tokens, num_padding_tokens)``,
     ``("stats", {key: stats fields}, busy_s, busy_ratio)``.
 
-A ``key`` is ``(model name, bucket name)``; ``request_no`` is the gateway's number for one
+A ``key`` is ``(model name, bucket name, layout number)``; ``request_no`` is the gateway's number for one
 request in flight (unique for the gateway process's life). Times are ``time.monotonic()``
 seconds, which on Linux is one clock for every process on the machine.
 """
@@ -38,7 +38,6 @@ from buckets.request import (
 from buckets.stats import BucketStats
 from models.step_io import SamplingParams
 
-BucketKey = tuple[str, str]
 Message = tuple[Any, ...]
 
 
@@ -109,11 +108,9 @@ def decode_error(name: str, message: str) -> Exception:
     """The :mod:`buckets.errors` class called ``name`` built from ``message``; any other error
     (a bug in the worker) comes back as a :class:`~buckets.errors.BatchFailedError` naming it."""
     cls = getattr(errors, name, None)
-    single_message = isinstance(cls, type) and issubclass(cls, errors.BucketError) and not issubclass(
-        cls, (errors.QueueFullError, errors.SliceUnavailableError)
-    )
-    if single_message:
-        return cls(message)  # type: ignore[misc]
+    needs_more = (errors.QueueFullError, errors.SliceUnavailableError)  # built from more than a message
+    if isinstance(cls, type) and issubclass(cls, errors.BucketError) and not issubclass(cls, needs_more):
+        return cls(message)
     return errors.BatchFailedError(f"{name}: {message}")
 
 

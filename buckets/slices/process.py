@@ -1,16 +1,18 @@
-"""A device slice whose buckets run in a worker process that the gateway starts and supervises.
+"""A slice whose buckets run in a worker process that the gateway starts and supervises.
 
-The worker process loads the slice's models, builds their real batchers on a thread
-:class:`~buckets.device_slice.DeviceSlice` of its own and serves them through a
-:class:`~buckets.slice_host.SliceHost`; the gateway keeps one
-:class:`~buckets.remote_batcher.RemoteBatcher` per bucket, which submits through this slice.
-Both sides talk over one ``multiprocessing`` pipe (messages: :mod:`buckets.slice_messages`);
-the process is started with ``spawn`` (forking a process that runs torch threads is unsafe).
+The worker process loads the slice's models, builds their real batchers on a
+:class:`~buckets.slices.thread.ThreadSlice` of its own and serves them through a
+:class:`~buckets.slices.host.SliceHost`. This side needs no batcher: it owns what the gateway
+knows of each remote bucket (its settings, latest stats, batch observers and backend info),
+and a bucket is the handle ``(slice, key)``. Both sides talk over one ``multiprocessing`` pipe
+(messages: :mod:`buckets.slices.messages`); the process is started with ``spawn`` (forking a
+process that runs torch threads is unsafe).
 
 This object owns the requests in flight on its worker. A reader thread routes the worker's
 events to their requests' sinks; a sender thread writes to the pipe, so :meth:`submit` never
-blocks; a watch thread forwards cancellations (hang-ups, deadlines) so the worker frees their
-KV blocks. When the worker dies (end of file on the pipe) every request in flight fails with
+blocks; a cancellation (hang-up, deadline) reaches :meth:`cancel` through the request's
+``on_cancel`` callback and is forwarded so the worker frees its KV blocks. When the worker dies
+(end of file on the pipe) every request in flight fails with
 :class:`~buckets.errors.WorkerCrashedError`, new ones get
 :class:`~buckets.errors.SliceUnavailableError`, and a new worker is started (with backoff when
 it keeps dying) until :meth:`stop`.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -30,13 +31,14 @@ from typing import Any, Callable
 import structlog
 
 from buckets.errors import ShuttingDownError, SliceUnavailableError, WorkerCrashedError
-from buckets.remote_batcher import RemoteBatcher
 from buckets.request import ErrorEvent, Request
-from buckets.slice_messages import BucketKey, Message, decode_event, decode_stats, encode_request, is_final
+from buckets.slices.messages import Message, decode_event, decode_stats, encode_request, is_final
+from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState, check_fixed_settings
+from buckets.slices.worker import WorkerProcess
+from buckets.stats import BatchObserver, BucketStats, Counters
 
 log = structlog.get_logger(__name__)
 
-CANCEL_POLL_S = 0.02
 START_TIMEOUT_S = 900.0
 RESTART_BACKOFF_S = 0.2  # doubled after each worker that dies before it is ready, up to the max
 MAX_RESTART_BACKOFF_S = 30.0
@@ -49,32 +51,34 @@ class _InFlight:
     request: Request
 
 
-class _Worker:
-    """One worker process and the gateway's end of its pipe; a restart makes a new one."""
+@dataclass
+class _RemoteBucket:
+    """What the gateway knows of one bucket run by the worker; written by this slice alone
+    (settings on the caller's thread, stats and info on the reader thread)."""
 
-    def __init__(self, process: Any, conn: Connection):
-        self.process = process
-        self.conn = conn
-        self.pid: int | None = process.pid
-        self.outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
-        self.ready = threading.Event()
-        self.reader: threading.Thread | None = None
+    kind: str
+    settings: BatcherSettings
+    backend_info: dict[str, Any]
+    stats: BucketStats
+    observers: list[BatchObserver]
 
 
 class ProcessSlice:
-    """The gateway's side of a slice with ``isolation: process``; the same surface as
-    :class:`~buckets.device_slice.DeviceSlice` for the engine, the admin API and the metrics.
+    """Implements :class:`~buckets.slices.slice.Slice` for ``isolation: process``: the
+    gateway's side of a worker process that runs the slice's buckets.
 
     Args:
         name, device, num_threads: as the slice's config (the worker applies ``num_threads``).
         target: the worker's entry point, ``target(conn, *worker_args())``; a module-level
-            function (it is pickled by name).
+            function (it is pickled by name). The gateway passes it in: this module never
+            imports the worker's code.
         worker_args: called in the gateway before each start; returns plain, picklable
             arguments (the current config, so a restart serves the current knobs).
         start_timeout_s: how long :meth:`start` waits for the first worker to be ready.
     """
 
     isolation = "process"
+    needs_weights = False  # the worker loads the weights; the gateway tokenizes only
 
     def __init__(
         self,
@@ -89,34 +93,40 @@ class ProcessSlice:
         self.device = device
         self.num_threads = num_threads
         self.start_timeout_s = start_timeout_s
-        self.state = "stopped"  # starting, ready, restarting, stopped
+        self.state = SliceState.STOPPED
         self.num_restarts = 0
         self._target = target
         self._worker_args = worker_args
-        self._batchers: dict[BucketKey, RemoteBatcher] = {}
+        self._buckets: dict[BucketKey, _RemoteBucket] = {}
         self._in_flight: dict[int, _InFlight] = {}
+        self._request_nos: dict[int, int] = {}  # id(request) -> its number, while in flight
         self._lock = threading.Lock()
-        self._worker: _Worker | None = None
+        self._worker: WorkerProcess | None = None
         self._stopping = threading.Event()
-        self._request_nos = itertools.count()
+        self._next_request_no = itertools.count()
         self._num_failed_starts = 0
         self._busy_s_before = 0.0  # seconds stepped by workers gone
         self._busy_s = 0.0
         self._busy_ratio = 0.0
-        self._watch: threading.Thread | None = None
 
-    # -- the DeviceSlice surface -------------------------------------------------------------
+    # -- the engine's side -------------------------------------------------------------------
 
-    def attach(self, batcher: RemoteBatcher) -> None:
-        self._batchers[batcher.key] = batcher
+    def attach(self, key: BucketKey, spec: BucketSpec) -> None:
+        """Know bucket ``key`` (the worker builds its batcher; ``spec.make_batcher`` is not called)."""
+        stats = Counters().snapshot(spec.kind, num_waiting=0, num_running=0)
+        self._buckets[key] = _RemoteBucket(spec.kind, spec.settings, spec.backend_info, stats, [])
 
-    def detach(self, batcher: RemoteBatcher) -> None:
-        """Take ``batcher`` off this slice. Raises ValueError when it is not attached."""
-        if self._batchers.pop(batcher.key, None) is None:
-            raise ValueError(f"bucket {batcher.key} is not on slice {self.name!r}")
+    def detach(self, key: BucketKey) -> None:
+        """Fail bucket ``key``'s requests in flight with :class:`ShuttingDownError` (the worker
+        drops them) and forget it.
 
-    def notify(self) -> None:
-        """Nothing to wake here: the worker wakes its own slice when a request arrives."""
+        Raises:
+            KeyError: ``key`` is not attached here.
+        """
+        del self._buckets[key]
+        error = ShuttingDownError("the bucket stopped before the request finished")
+        for request_no in self._fail(lambda entry: entry.key == key, error):
+            self._send(("cancel", request_no, "cancelled"))
 
     def start(self) -> None:
         """Start the worker process and wait until it is ready (slow: it loads its models).
@@ -125,16 +135,15 @@ class ProcessSlice:
             RuntimeError: the worker exited or was not ready within ``start_timeout_s``.
         """
         self._stopping.clear()
-        if not self._batchers:
+        if not self._buckets:
             return  # no bucket placed here: nothing to run
-        self.state = "starting"
+        self.state = SliceState.STARTING
         worker = self._launch()
         assert worker is not None  # nothing stops a slice that is not started yet
         if not self._await_ready(worker):
             self.stop()
+            self.state = SliceState.FAILED
             raise RuntimeError(f"slice {self.name!r}: the worker process did not start (exit code {worker.process.exitcode})")
-        self._watch = threading.Thread(target=self._watch_cancellations, name=f"slice-{self.name}-cancel", daemon=True)
-        self._watch.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the worker after its current step (it fails what it holds); fail what is left."""
@@ -142,7 +151,7 @@ class ProcessSlice:
             self._stopping.set()
             worker = self._worker
         if worker is not None:
-            worker.outbox.put(("stop",))
+            worker.send(("stop",))
             worker.process.join(timeout_s)
             if worker.process.is_alive():
                 worker.process.kill()
@@ -151,7 +160,7 @@ class ProcessSlice:
                 worker.reader.join(timeout_s)
             log.info("worker_stopped", slice=self.name, pid=worker.pid, exit_code=worker.process.exitcode)
         self._fail(lambda entry: True, ShuttingDownError("the bucket stopped before the request finished"))
-        self.state = "stopped"
+        self.state = SliceState.STOPPED
 
     @property
     def busy_s(self) -> float:
@@ -165,44 +174,75 @@ class ProcessSlice:
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name, "device": self.device, "num_threads": self.num_threads, "isolation": self.isolation,
-            "state": self.state, "worker_pid": self.worker_pid, "num_restarts": self.num_restarts,
+            "state": self.state.value, "worker_pid": self.worker_pid, "num_restarts": self.num_restarts,
             "busy_ratio": self._busy_ratio,
         }
 
     @property
     def worker_pid(self) -> int | None:
         worker = self._worker
-        return worker.pid if worker is not None and self.state == "ready" else None
+        return worker.pid if worker is not None and self.state is SliceState.READY else None
 
-    # -- what the remote batchers call ---------------------------------------------------------
+    # -- the buckets' side -------------------------------------------------------------------
 
     def submit(self, key: BucketKey, request: Request) -> None:
-        """Send ``request`` to the worker for bucket ``key`` (thread-safe, never blocks).
+        """Send ``request`` to the worker for bucket ``key`` (thread-safe, never blocks); its
+        ``on_cancel`` forwards a later cancellation.
 
         Raises:
             SliceUnavailableError: the worker is not ready (starting, restarting, stopped).
         """
-        request_no = next(self._request_nos)
+        request_no = next(self._next_request_no)
         wire = encode_request(request_no, request)
         with self._lock:
             worker = self._worker
-            if self.state != "ready" or worker is None:
-                raise SliceUnavailableError(f"the worker process of slice {self.name!r} is {self.state}", RETRY_AFTER_S)
+            if self.state is not SliceState.READY or worker is None:
+                raise SliceUnavailableError(f"the worker process of slice {self.name!r} is {self.state.value}", RETRY_AFTER_S)
             self._in_flight[request_no] = _InFlight(key, request)
-            worker.outbox.put(("submit", key, wire))
+            self._request_nos[id(request)] = request_no
+            worker.send(("submit", key, wire))
+        request.on_cancel = self.cancel
+        if request.is_cancelled:  # cancelled before on_cancel was set: forward it now
+            self.cancel(request)
 
-    def send_settings(self, key: BucketKey, settings: Any) -> None:
-        """Forward new batcher settings of bucket ``key`` (a restart reads them from the config)."""
-        worker = self._worker
-        if worker is not None:
-            worker.outbox.put(("settings", key, settings))
+    def cancel(self, request: Request) -> None:
+        """Tell the worker to drop ``request`` (it frees its blocks); the request leaves its
+        queue here. Called by ``request.cancel()`` on the cancelling thread; does nothing for a
+        request no longer in flight."""
+        with self._lock:
+            request_no = self._request_nos.get(id(request))
+            if request_no is not None:
+                self._take(request_no)
+        if request_no is None:
+            return
+        self._send(("cancel", request_no, request.cancel_reason or "cancelled"))
+        request.leave_queue()
 
-    def fail_bucket(self, key: BucketKey) -> None:
-        """Fail the requests of bucket ``key`` in flight with :class:`ShuttingDownError`; the worker
-        drops them."""
-        error = ShuttingDownError("the bucket stopped before the request finished")
-        for request_no in self._fail(lambda entry: entry.key == key, error):
-            self._send(("cancel", request_no, "cancelled"))
+    def stats(self, key: BucketKey) -> BucketStats:
+        """Bucket ``key``'s latest snapshot from the worker (at most ``STATS_INTERVAL_S`` of
+        :mod:`buckets.slices.host` old while anything changes)."""
+        return self._buckets[key].stats
+
+    def update_settings(self, key: BucketKey, settings: BatcherSettings) -> None:
+        """Send new settings of bucket ``key`` to the worker, which applies them from its next
+        step or batch (a restart reads them from the config).
+
+        Raises:
+            ValueError: a continuous bucket's ``block_size`` or ``enable_prefix_caching`` differ.
+        """
+        bucket = self._buckets[key]
+        check_fixed_settings(bucket.settings, settings)
+        bucket.settings = settings
+        self._send(("settings", key, settings))
+
+    def add_batch_observer(self, key: BucketKey, observer: BatchObserver) -> None:
+        """Call ``observer`` for every forward the worker reports for bucket ``key`` (on the
+        slice's reader thread)."""
+        self._buckets[key].observers.append(observer)
+
+    def backend_info(self, key: BucketKey) -> dict[str, Any]:
+        """Bucket ``key``'s backend description, as the worker reported it when ready."""
+        return self._buckets[key].backend_info
 
     # -- the worker's life -------------------------------------------------------------------
 
@@ -217,22 +257,22 @@ class ProcessSlice:
         theirs.close()  # the worker holds the only other end: its exit is end of file here
         return process, ours
 
-    def _launch(self) -> _Worker | None:
+    def _launch(self) -> WorkerProcess | None:
         """Start a worker and the threads that talk to it; ``None`` when :meth:`stop` came first
         (the new process is killed)."""
         process, conn = self._spawn()
-        worker = _Worker(process, conn)
+        worker = WorkerProcess(process, conn, f"slice-{self.name}")
         with self._lock:
             stopped = self._stopping.is_set()
             if not stopped:
                 self._worker = worker
         if stopped:
             process.kill()
+            worker.close_outbox()
             conn.close()
             return None
         worker.reader = threading.Thread(target=self._read, args=(worker,), name=f"slice-{self.name}-reader", daemon=True)
         worker.reader.start()
-        threading.Thread(target=self._write, args=(worker,), name=f"slice-{self.name}-sender", daemon=True).start()
         log.info("worker_started", slice=self.name, pid=worker.pid)
         return worker
 
@@ -245,7 +285,7 @@ class ProcessSlice:
         if worker is not None:
             self._await_ready(worker)
 
-    def _await_ready(self, worker: _Worker) -> bool:
+    def _await_ready(self, worker: WorkerProcess) -> bool:
         """Wait until ``worker`` is ready (``True``), exits or the slice stops (``False``). One not
         ready within ``start_timeout_s`` is killed (its end of file starts the next try)."""
         deadline = time.monotonic() + self.start_timeout_s
@@ -258,25 +298,28 @@ class ProcessSlice:
                 return False
         return True
 
-    def _on_exit(self, worker: _Worker) -> None:
+    def _on_exit(self, worker: WorkerProcess) -> None:
         """The worker's pipe closed: fail its requests and, unless stopping, start a new one."""
         worker.process.join(5.0)
         with self._lock:
             if worker is not self._worker:
                 return
             was = self.state
-            restart = not self._stopping.is_set() and was in ("ready", "restarting")
-            self.state = "restarting" if restart else "stopped"
+            restart = not self._stopping.is_set() and was in (SliceState.READY, SliceState.RESTARTING)
+            self.state = SliceState.RESTARTING if restart else SliceState.STOPPED
             self._busy_s_before += self._busy_s
             self._busy_s, self._busy_ratio = 0.0, 0.0
-        worker.outbox.put(None)
+        worker.close_outbox()
         if self._stopping.is_set():
             return
         error = WorkerCrashedError(
             f"the worker process of slice {self.name!r} exited (code {worker.process.exitcode}) during the request"
         )
         failed = self._fail(lambda entry: True, error)
-        log.error("worker_crashed", slice=self.name, pid=worker.pid, exit_code=worker.process.exitcode, state=was, num_failed=len(failed))
+        log.error(
+            "worker_crashed", slice=self.name, pid=worker.pid, exit_code=worker.process.exitcode, state=was.value,
+            num_failed=len(failed),
+        )
         if restart:
             threading.Thread(target=self._restart, name=f"slice-{self.name}-restart", daemon=True).start()
 
@@ -284,25 +327,24 @@ class ProcessSlice:
         """Take the requests in flight that ``which`` picks and emit ``error`` to each."""
         with self._lock:
             picked = [no for no, entry in self._in_flight.items() if which(entry)]
-            entries = [self._in_flight.pop(no) for no in picked]
+            entries = [self._take(no) for no in picked]
         for entry in entries:
             entry.request.info["outcome"] = "error"
             entry.request.emit(ErrorEvent(error))
         return picked
 
+    def _take(self, request_no: int) -> _InFlight:
+        """Remove request ``request_no`` from those in flight (call with the lock held)."""
+        entry = self._in_flight.pop(request_no)
+        self._request_nos.pop(id(entry.request), None)
+        return entry
+
     def _send(self, message: Message) -> None:
         worker = self._worker
         if worker is not None:
-            worker.outbox.put(message)
+            worker.send(message)
 
-    def _write(self, worker: _Worker) -> None:
-        while (message := worker.outbox.get()) is not None:
-            try:
-                worker.conn.send(message)
-            except (OSError, ValueError):
-                return  # the pipe is gone; the reader sees end of file
-
-    def _read(self, worker: _Worker) -> None:
+    def _read(self, worker: WorkerProcess) -> None:
         while True:
             try:
                 message = worker.conn.recv()
@@ -314,20 +356,9 @@ class ProcessSlice:
                 log.exception("worker_message_error", slice=self.name, kind=message[0])
         self._on_exit(worker)
 
-    def _watch_cancellations(self) -> None:
-        """Forward cancelled requests (client gone, deadline) so the worker frees their blocks."""
-        while not self._stopping.wait(CANCEL_POLL_S):
-            with self._lock:
-                gone = [(no, e.request) for no, e in self._in_flight.items() if e.request.is_cancelled]
-                for no, _ in gone:
-                    del self._in_flight[no]
-            for no, request in gone:
-                self._send(("cancel", no, request.cancel_reason or "cancelled"))
-                request.leave_queue()
-
     # -- messages from the worker ----------------------------------------------------------
 
-    def _dispatch(self, worker: _Worker, message: Message) -> None:
+    def _dispatch(self, worker: WorkerProcess, message: Message) -> None:
         kind = message[0]
         if kind == "event":
             self._on_event(*message[1:])
@@ -337,13 +368,13 @@ class ProcessSlice:
                 entry.request.timeline.update(message[2])
                 entry.request.leave_queue()
         elif kind == "batch":
-            batcher = self._batchers.get(message[1])
-            if batcher is not None:
-                batcher.record_batch(*message[2:])
+            bucket = self._buckets.get(message[1])
+            for observer in bucket.observers if bucket is not None else []:
+                observer(*message[2:])
         elif kind == "stats":
             for key, fields in message[1].items():
-                if (batcher := self._batchers.get(key)) is not None:
-                    batcher.set_stats(decode_stats(fields))
+                if (bucket := self._buckets.get(key)) is not None:
+                    bucket.stats = decode_stats(fields)
             self._busy_s, self._busy_ratio = message[2], message[3]
         elif kind == "ready":
             self._on_ready(worker, message[1], message[2])
@@ -351,7 +382,9 @@ class ProcessSlice:
     def _on_event(self, request_no: int, wire: Message, timeline: dict[str, float], batches: list[Any] | None) -> None:
         event = decode_event(wire)
         with self._lock:
-            entry = self._in_flight.pop(request_no, None) if is_final(event) else self._in_flight.get(request_no)
+            entry = self._in_flight.get(request_no)
+            if entry is not None and is_final(event):
+                self._take(request_no)
         if entry is None:
             return  # cancelled here already
         request = entry.request
@@ -360,15 +393,15 @@ class ProcessSlice:
             request.batches[:] = [tuple(b) for b in batches]
         request.emit(event)
 
-    def _on_ready(self, worker: _Worker, pid: int, backend_info: dict[BucketKey, dict[str, Any]]) -> None:
+    def _on_ready(self, worker: WorkerProcess, pid: int, backend_info: dict[BucketKey, dict[str, Any]]) -> None:
         for key, info in backend_info.items():
-            if (batcher := self._batchers.get(key)) is not None:
-                batcher.backend_info.update(info)
+            if (bucket := self._buckets.get(key)) is not None:
+                bucket.backend_info.update(info)
         with self._lock:
             if worker is not self._worker:
                 return
-            restarted = self.state == "restarting"
-            self.state = "ready"
+            restarted = self.state is SliceState.RESTARTING
+            self.state = SliceState.READY
             worker.pid = pid
             self._num_failed_starts = 0
             self.num_restarts += restarted

@@ -1,4 +1,5 @@
-"""A device slice: one device, one worker thread, and the buckets that take turns on it.
+"""A thread slice: one device, one worker thread in this process, and the buckets that take
+turns on it.
 
 The worker is the single owner of its buckets' queues, schedulers and runners, so the core
 needs no locks beyond this condition variable, which only wakes the worker. Among the buckets
@@ -14,11 +15,14 @@ import collections
 import math
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import structlog
 
 from buckets.batcher import Batcher
+from buckets.request import Request
+from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState
+from buckets.stats import BatchObserver, BucketStats
 from policies.priority import SliceArbiter
 
 log = structlog.get_logger(__name__)
@@ -28,8 +32,9 @@ BUSY_WINDOW_S = 10.0
 DEFAULT_MAX_CONSECUTIVE_STEPS = 4
 
 
-class DeviceSlice:
-    """Runs its batchers' steps on a dedicated worker thread.
+class ThreadSlice:
+    """Implements :class:`~buckets.slices.slice.Slice` with a dedicated worker thread that runs
+    its batchers' steps; :meth:`attach` builds each bucket's batcher here.
 
     Args:
         name: the slice's name in the config.
@@ -41,6 +46,7 @@ class DeviceSlice:
     """
 
     isolation = "thread"
+    needs_weights = True
 
     def __init__(
         self,
@@ -54,7 +60,8 @@ class DeviceSlice:
         self.device = device
         self.num_threads = num_threads
         self.clock = clock
-        self._batchers: list[Batcher] = []
+        self._batchers: dict[BucketKey, Batcher] = {}
+        self._backend_info: dict[BucketKey, dict[str, Any]] = {}
         self._wake = threading.Condition()
         self._stopping = False
         self._arbiter = SliceArbiter(max_consecutive_steps)
@@ -63,30 +70,64 @@ class DeviceSlice:
         self.busy_s = 0.0  # seconds spent in steps since start (worker-written)
         self._recent_steps: collections.deque[tuple[float, float]] = collections.deque()  # (end, seconds)
 
-    def describe(self) -> dict[str, object]:
-        """The slice for the admin API: name, device, threads, isolation, busy ratio."""
+    @property
+    def state(self) -> SliceState:
+        return SliceState.READY if self._thread is not None and self._thread.is_alive() else SliceState.STOPPED
+
+    def describe(self) -> dict[str, Any]:
+        """The slice for the admin API: name, device, threads, isolation, state, busy ratio."""
         return {
             "name": self.name, "device": self.device, "num_threads": self.num_threads,
-            "isolation": self.isolation, "state": "ready" if self._thread is not None and self._thread.is_alive() else "stopped",
-            "busy_ratio": self.busy_ratio(),
+            "isolation": self.isolation, "state": self.state.value, "busy_ratio": self.busy_ratio(),
         }
 
-    def attach(self, batcher: Batcher) -> None:
+    def attach(self, key: BucketKey, spec: BucketSpec) -> None:
+        """Build bucket ``key``'s batcher (``spec.make_batcher``: slow) and step it from now on."""
+        batcher = spec.make_batcher()
         with self._wake:
-            self._batchers.append(batcher)
+            self._batchers[key] = batcher
+            self._backend_info[key] = spec.backend_info
             self._wake.notify_all()
 
-    def detach(self, batcher: Batcher) -> None:
-        """Take ``batcher`` off this slice, waiting out a step of it already under way; the worker
-        never steps it again. Thread-safe; call it off the worker thread.
+    def detach(self, key: BucketKey) -> None:
+        """Take bucket ``key`` off this slice, waiting out a step of it already under way (the
+        worker never steps it again), and fail what it still holds. Thread-safe; call it off
+        the worker thread.
 
         Raises:
-            ValueError: ``batcher`` is not attached here.
+            KeyError: ``key`` is not attached here.
         """
         with self._wake:
-            self._batchers.remove(batcher)
+            batcher = self._batchers.pop(key)
+            self._backend_info.pop(key, None)
             while self._stepping is batcher:
                 self._wake.wait()
+        batcher.shutdown()
+
+    def submit(self, key: BucketKey, request: Request) -> None:
+        """Queue ``request`` on bucket ``key``'s batcher and wake the worker (thread-safe); a
+        later ``request.cancel()`` wakes it too (:meth:`cancel`)."""
+        request.on_cancel = self.cancel
+        self._batchers[key].submit(request)
+        self.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Wake the worker: its batcher drops ``request`` at its next step and frees its blocks."""
+        self.notify()
+
+    def stats(self, key: BucketKey) -> BucketStats:
+        return self._batchers[key].stats()
+
+    def update_settings(self, key: BucketKey, settings: BatcherSettings) -> None:
+        """Bucket ``key``'s batcher uses ``settings`` from its next step (raises as it does)."""
+        self._batchers[key].update_settings(settings)
+        self.notify()
+
+    def add_batch_observer(self, key: BucketKey, observer: BatchObserver) -> None:
+        self._batchers[key].add_batch_observer(observer)
+
+    def backend_info(self, key: BucketKey) -> dict[str, Any]:
+        return self._backend_info[key]
 
     def notify(self) -> None:
         """Wake the worker: new work arrived (thread-safe)."""
@@ -104,7 +145,7 @@ class DeviceSlice:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        for batcher in self._batchers:
+        for batcher in list(self._batchers.values()):
             batcher.shutdown()
 
     def _run(self) -> None:
@@ -152,11 +193,12 @@ class DeviceSlice:
         with self._wake:
             while not self._stopping:
                 now = self.clock()
-                waits = [b.seconds_until_ready(now) for b in self._batchers]
-                heads = [self._head(b, now) if w == 0.0 else None for b, w in zip(self._batchers, waits)]
+                batchers = list(self._batchers.values())
+                waits = [b.seconds_until_ready(now) for b in batchers]
+                heads = [self._head(b, now) if w == 0.0 else None for b, w in zip(batchers, waits)]
                 index = self._arbiter.pick(heads)
                 if index is not None:
-                    self._stepping = self._batchers[index]
+                    self._stepping = batchers[index]
                     return self._stepping
                 pending = [w for w in waits if w is not None]
                 self._wake.wait(min(pending) if pending else IDLE_WAIT_S)

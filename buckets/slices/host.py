@@ -1,10 +1,11 @@
-"""The worker process's side of a process slice: serves its real batchers over the pipe.
+"""The worker process's side of a process slice: serves a local slice's buckets over the pipe.
 
-The gateway's :class:`~buckets.process_slice.ProcessSlice` sends requests, cancellations and
+The gateway's :class:`~buckets.slices.process.ProcessSlice` sends requests, cancellations and
 settings; this host rebuilds each request with a sink that sends its events back, submits it
-to the bucket's real batcher on the worker's thread :class:`~buckets.device_slice.DeviceSlice`,
-and pushes the batchers' stats snapshots (every ``stats_interval_s`` while they change, and
-once a second regardless, for the slice's busy ratio). Messages: :mod:`buckets.slice_messages`.
+to the worker's own slice (a :class:`~buckets.slices.thread.ThreadSlice`, through the
+:class:`~buckets.slices.slice.Slice` protocol alone), and pushes the buckets' stats snapshots
+(every ``stats_interval_s`` while they change, and once a second regardless, for the slice's
+busy ratio). Messages: :mod:`buckets.slices.messages`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any, Callable
 
 import structlog
 
-from buckets.batcher import Batcher
-from buckets.device_slice import DeviceSlice
 from buckets.errors import BatchFailedError
 from buckets.request import ErrorEvent, Request, RequestEvent
-from buckets.slice_messages import BucketKey, Message, decode_request, encode_event, encode_stats, is_final
+from buckets.slices.messages import Message, decode_request, encode_event, encode_stats, is_final
+from buckets.slices.slice import BucketKey, Slice
+from buckets.stats import BatchObserver
 
 log = structlog.get_logger(__name__)
 
@@ -31,8 +32,8 @@ STATS_REFRESH_S = 1.0
 
 
 class SliceHost:
-    """Serves ``batchers`` (keyed by ``(model name, bucket name)``, attached to ``device_slice``
-    and started) to the gateway at the other end of ``conn``.
+    """Serves the buckets ``keys`` (``(model name, bucket name)``) of ``local_slice`` (they are
+    attached and it is started) to the gateway at the other end of ``conn``.
 
     Call :meth:`serve` on the process's main thread; it returns when the gateway says stop or
     its end of the pipe closes. Then stop the slice (which fails what is queued: those events
@@ -42,16 +43,14 @@ class SliceHost:
     def __init__(
         self,
         conn: Connection,
-        device_slice: DeviceSlice,
-        batchers: dict[BucketKey, Batcher],
-        backend_info: dict[BucketKey, dict[str, Any]],
+        local_slice: Slice,
+        keys: list[BucketKey],
         stats_interval_s: float = STATS_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.conn = conn
-        self.device_slice = device_slice
-        self.batchers = batchers
-        self.backend_info = backend_info
+        self.local_slice = local_slice
+        self.keys = keys
         self.stats_interval_s = stats_interval_s
         self.clock = clock
         self._requests: dict[int, Request] = {}
@@ -62,10 +61,11 @@ class SliceHost:
 
     def serve(self) -> None:
         """Announce readiness, then handle the gateway's messages until stop or end of file."""
-        for key, batcher in self.batchers.items():
-            batcher.add_batch_observer(lambda n, t, p, key=key: self._outbox.put(("batch", key, n, t, p)))
+        for key in self.keys:
+            self.local_slice.add_batch_observer(key, self._batch_reporter(key))
         self._sender.start()
-        self._outbox.put(("ready", os.getpid(), self.backend_info))
+        backend_info = {key: dict(self.local_slice.backend_info(key)) for key in self.keys}
+        self._outbox.put(("ready", os.getpid(), backend_info))
         self._stats.start()
         while True:
             try:
@@ -78,6 +78,14 @@ class SliceHost:
                 self._handle(message)
             except Exception:  # one bad message must not take the worker down
                 log.exception("slice_host_message_error", kind=message[0])
+
+    def _batch_reporter(self, key: BucketKey) -> BatchObserver:
+        """A batch observer that sends bucket ``key``'s forwards to the gateway."""
+
+        def report(num_seqs: int, num_tokens: int, num_padding_tokens: int) -> None:
+            self._outbox.put(("batch", key, num_seqs, num_tokens, num_padding_tokens))
+
+        return report
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send the last stats and events, then stop the sender."""
@@ -95,19 +103,17 @@ class SliceHost:
             if request is not None:
                 request.cancel(message[2])
         elif kind == "settings":
-            self.batchers[message[1]].update_settings(message[2])
-        self.device_slice.notify()
+            self.local_slice.update_settings(message[1], message[2])
 
     def _submit(self, key: BucketKey, wire: dict[str, Any]) -> None:
         request_no = wire["request_no"]
         request = decode_request(wire, lambda event: self._emit(request_no, request, event))
         request.on_dequeue = lambda: self._outbox.put(("dequeued", request_no, dict(request.timeline)))
-        batcher = self.batchers.get(key)
-        if batcher is None:
+        if key not in self.keys:
             request.emit(ErrorEvent(BatchFailedError(f"no bucket {key} in this worker")))
             return
         self._requests[request_no] = request
-        batcher.submit(request)
+        self.local_slice.submit(key, request)
 
     def _emit(self, request_no: int, request: Request, event: RequestEvent) -> None:
         """The sink of a worker-side request (the slice's worker thread): queue the event with the
@@ -131,10 +137,10 @@ class SliceHost:
         last_sent = 0.0
         while True:
             closing = self._closed.wait(self.stats_interval_s)
-            snapshot = {key: encode_stats(b.stats()) for key, b in self.batchers.items()}
+            snapshot = {key: encode_stats(self.local_slice.stats(key)) for key in self.keys}
             now = self.clock()
             if closing or snapshot != last or now - last_sent >= STATS_REFRESH_S:
-                self._outbox.put(("stats", snapshot, self.device_slice.busy_s, self.device_slice.busy_ratio()))
+                self._outbox.put(("stats", snapshot, self.local_slice.busy_s, self.local_slice.busy_ratio()))
                 last, last_sent = snapshot, now
             if closing:
                 return

@@ -1,0 +1,156 @@
+"""KV and weight budgets: how a slice's memory is shared among its buckets, in plain numbers.
+
+Everything here is arithmetic on config values and byte counts (no torch, no loaded model), so
+the gateway and a slice worker compute the same KV pool, and the same KV capacity in tokens,
+for every bucket, and tests check the figures with plain numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from gateway.config import ContinuousBatcherConfig, GatewayConfig
+from gateway.errors import ConfigError
+
+DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
+DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION = 0.5
+
+BucketName = tuple[str, str]  # (model name, bucket name), as in the config
+
+
+class Tensor(Protocol):
+    """What :func:`weight_bytes` reads of a tensor."""
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+
+class Module(Protocol):
+    """What :func:`weight_bytes` reads of a module."""
+
+    def parameters(self) -> Iterable[Tensor]: ...
+
+    def buffers(self) -> Iterable[Tensor]: ...
+
+
+def default_kv_cache_memory_bytes(device: str, device_memory_bytes: int | None) -> int:
+    """A slice's KV budget in bytes when its config sets none: 2 GiB on a CPU, half of
+    ``device_memory_bytes`` (the GPU's total memory) on ``cuda:N``."""
+    if device.startswith("cuda") and device_memory_bytes is not None:
+        return int(device_memory_bytes * DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION)
+    return DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
+
+
+def slice_kv_budgets(config: GatewayConfig, device_memory_bytes: dict[str, int]) -> dict[str, int]:
+    """Each slice's KV budget in bytes: its ``kv_cache_memory_bytes``, else the default for its
+    device (``device_memory_bytes`` maps a CUDA device to its total memory; CPUs are absent)."""
+    return {
+        s.name: int(s.kv_cache_memory_bytes or default_kv_cache_memory_bytes(s.device, device_memory_bytes.get(s.device)))
+        for s in config.slices
+    }
+
+
+def _fixed_share_bytes(batcher: ContinuousBatcherConfig, budget_bytes: int) -> int | None:
+    """A bucket's own KV share in bytes (``kv_cache_memory_bytes``, else its fraction of the
+    slice's budget); ``None`` when it asks for neither (it shares what is left)."""
+    if batcher.kv_cache_memory_bytes:
+        return int(batcher.kv_cache_memory_bytes)
+    if batcher.kv_cache_memory_fraction:
+        return int(budget_bytes * batcher.kv_cache_memory_fraction)
+    return None
+
+
+def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dict[BucketName, int]:
+    """Each continuous bucket's KV pool in bytes, keyed by ``(model name, bucket name)``.
+
+    On each slice, explicit ``kv_cache_memory_bytes`` come first, then fractions of the slice's
+    budget (``slice_budgets``, bytes); buckets with neither share what is left equally.
+
+    Raises:
+        ConfigError: a slice's buckets ask for more than its budget (``kv_cache_memory_exceeded``).
+    """
+    shares: dict[BucketName, int] = {}
+    for slice_name, budget in slice_budgets.items():
+        owners = [(m.name, b) for m in config.models for b in m.buckets if b in config.continuous_buckets(slice_name)]
+        fixed: dict[BucketName, int] = {}
+        rest: list[BucketName] = []
+        for name, bucket in owners:
+            share = _fixed_share_bytes(bucket.batcher, budget)  # type: ignore[arg-type]
+            if share is None:
+                rest.append((name, bucket.bucket_name))
+            else:
+                fixed[(name, bucket.bucket_name)] = share
+        left = budget - sum(fixed.values())
+        if left < 0 or (rest and left == 0):
+            index = [s.name for s in config.slices].index(slice_name)
+            param = f"slices.{index}.kv_cache_memory_bytes"
+            raise ConfigError(
+                f"{param}: the continuous buckets of slice {slice_name!r} ask for "
+                f"{sum(fixed.values())} bytes of KV memory, its kv_cache_memory_bytes is {budget}",
+                param=param,
+                code="kv_cache_memory_exceeded",
+            )
+        shares.update(fixed)
+        shares.update({key: left // len(rest) for key in rest})
+    return shares
+
+
+def kv_num_blocks(memory_bytes: int, block_size_tokens: int, kv_bytes_per_token: int, where: str) -> int:
+    """How many KV blocks of ``block_size_tokens`` tokens fit in ``memory_bytes``, one token
+    taking ``kv_bytes_per_token`` (``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``).
+
+    Raises:
+        ConfigError: not one block fits; the message names ``where`` (the bucket's config path).
+    """
+    num_blocks = memory_bytes // (block_size_tokens * kv_bytes_per_token)
+    if num_blocks < 1:
+        raise ConfigError(
+            f"{where}: {memory_bytes} bytes of KV memory hold no block of {block_size_tokens} tokens",
+            code="kv_cache_memory_exceeded",
+        )
+    return num_blocks
+
+
+def kv_capacity_tokens(num_blocks: int, block_size_tokens: int) -> int:
+    """The tokens a continuous bucket's KV pool holds: the most prompt + ``max_tokens`` one
+    request may ask for."""
+    return num_blocks * block_size_tokens
+
+
+def weight_bytes(model: Module) -> int:
+    """Bytes held by a module's parameters and buffers (its weights, as loaded)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[BucketName, int], weights: dict[str, int]) -> None:
+    """Every slice with a ``memory_budget_bytes`` holds the weights of the models with a bucket
+    on it (those in ``weights``, bytes: loaded so far in this process) plus the KV pools of its
+    continuous buckets (``kv_bytes``, bytes).
+
+    Raises:
+        ConfigError: naming the slice, its weights and KV bytes, and its budget (``memory_budget_exceeded``).
+    """
+    for index, slice_config in enumerate(config.slices):
+        budget = slice_config.memory_budget_bytes
+        if budget is None:
+            continue
+        models = [m.name for m in config.models if any(b.slice == slice_config.name for b in m.buckets)]
+        weights_total = sum(weights.get(name, 0) for name in models)
+        kv_total = sum(
+            kv_bytes.get((m.name, b.bucket_name), 0) for m in config.models for b in config.continuous_buckets(slice_config.name)
+            if b in m.buckets
+        )
+        if weights_total + kv_total > budget:
+            loaded = ", ".join(f"{name} {weights[name]}" for name in models if name in weights)
+            pending = [name for name in models if name not in weights]
+            if pending:
+                loaded += f"; not yet loaded, so not counted: {', '.join(pending)}"
+            param = f"slices.{index}.memory_budget_bytes"
+            raise ConfigError(
+                f"{param}: slice {slice_config.name!r} needs {weights_total + kv_total} bytes "
+                f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}), over its budget of {int(budget)}",
+                param=param,
+                code="memory_budget_exceeded",
+            )
