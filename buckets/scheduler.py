@@ -115,6 +115,8 @@ class Scheduler:
                 f"prompt + max_tokens = {seq.max_total_tokens} tokens exceeds the KV pool's {self.max_seq_tokens} tokens"
             )
         seq.status = SequenceStatus.WAITING
+        if self.settings.enable_prefix_caching:
+            seq.extend_block_hashes(self.block_manager.block_size)
         seq.arrival_s = seq.request.timeline.get("enqueued", self.clock())
         self._enqueue(seq)
 
@@ -199,12 +201,12 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
             seq = self.waiting.peek()
-            token_ids = seq.all_token_ids
-            num_cached = manager.num_cached_prefix_tokens(token_ids)
-            num_tokens = min(len(token_ids) - num_cached, budget)
-            if not manager.can_allocate(token_ids, num_cached + num_tokens):
+            num_known = seq.num_tokens
+            num_cached = manager.num_cached_prefix_tokens(seq.block_hashes, num_known)
+            num_tokens = min(num_known - num_cached, budget)
+            if not manager.can_allocate(seq.block_hashes, num_known, num_cached + num_tokens):
                 break
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, token_ids, num_cached + num_tokens)
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.block_hashes, num_known, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
             self.waiting.pop()
             seq.request.leave_queue()  # a no-op for a preempted sequence coming back
@@ -250,12 +252,14 @@ class Scheduler:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += len(seq_input.token_ids)
             if self._filled_a_block(before, seq.num_computed_tokens):
-                self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                self.block_manager.commit(seq.seq_id, seq.block_hashes, seq.num_computed_tokens)
             token_id = output.sampled_token_ids.get(seq.seq_id)
             if token_id is None:
                 self.counters.num_chunked_prefills += 1
                 continue
             event = seq.append_token(token_id)
+            if self.settings.enable_prefix_caching:
+                seq.extend_block_hashes(self.block_manager.block_size)
             seq.request.timeline.setdefault("first_token", now)
             seq.request.emit(event)
             if seq.finish_reason is not None:
@@ -265,7 +269,7 @@ class Scheduler:
 
     def _filled_a_block(self, before: int, after: int) -> bool:
         """Whether computing positions ``before .. after`` completed a block worth caching (most
-        decode steps do not; skipping them spares copying the sequence's tokens every step)."""
+        decode steps do not; skipping them spares a call every step)."""
         block_size = self.block_manager.block_size
         return self.settings.enable_prefix_caching and after // block_size > before // block_size
 

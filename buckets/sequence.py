@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from buckets.block_manager import hash_block_tokens
 from buckets.request import GenerationRequest, TokenEvent
 from models.detokenizer import IncrementalDetokenizer
 
@@ -34,6 +35,8 @@ class Sequence:
         self.arrival_s = 0.0  # when it joined its bucket's queue (seconds, the scheduler's clock)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        # Chained prefix-cache keys of its full blocks of known tokens (see :meth:`extend_block_hashes`).
+        self.block_hashes: list[int] = []
         self._detokenizer = detokenizer
         self._eos_token_ids = frozenset() if request.ignore_eos else eos_token_ids
 
@@ -52,17 +55,30 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then outputs (a new list when there are outputs)."""
-        return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` of prompt then outputs, without joining the two lists."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     def next_input_token_ids(self, num_tokens: int) -> list[int]:
         """The next ``num_tokens`` tokens not yet in the KV cache (a prompt chunk, or the last sampled token)."""
-        return self.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + num_tokens]
+        return self.token_ids_between(self.num_computed_tokens, self.num_computed_tokens + num_tokens)
+
+    def extend_block_hashes(self, block_size: int) -> None:
+        """Hash the full blocks of ``block_size`` known tokens not hashed yet, chaining onto
+        :attr:`block_hashes` (:func:`~buckets.block_manager.hash_block_tokens`). Each block is
+        hashed once in the sequence's life: the scheduler calls this when it queues the sequence
+        and after each token it appends, so a sequence that waits many steps is not re-hashed."""
+        for start in range(len(self.block_hashes) * block_size, self.num_tokens - block_size + 1, block_size):
+            parent_hash = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids_between(start, start + block_size)))
 
     def finish_timeout(self) -> TokenEvent:
         """End a sequence that has outputs because its deadline passed: the last event, with

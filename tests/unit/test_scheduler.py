@@ -608,3 +608,29 @@ def test_waiting_sequences_join_by_effective_priority_with_aging() -> None:
     scheduler.add(late_urgent)  # 30 s after background: background has aged past it
     run_until_done(scheduler)
     assert background.request.batches[0][0] < late_urgent.request.batches[0][0]
+
+
+def test_a_blocked_waiting_sequence_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import buckets.sequence
+
+    hashed: list[tuple[int, ...]] = []
+    real_hash = buckets.sequence.hash_block_tokens
+
+    def counting_hash(parent_hash: int | None, token_ids: list[int]) -> int:
+        hashed.append(tuple(token_ids))
+        return real_hash(parent_hash, token_ids)
+
+    monkeypatch.setattr(buckets.sequence, "hash_block_tokens", counting_hash)
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    running = make_sequence(make_request(12, max_tokens=4, name="running"))
+    scheduler.add(running)
+    run_step(scheduler)  # 12 prompt tokens in 3 blocks; its decodes take the 4th
+    blocked = make_sequence(make_request(12, max_tokens=2, name="blocked", first_token=100))
+    scheduler.add(blocked)
+    num_blocked_steps = 0
+    while blocked not in run_step(scheduler)[0].scheduled:
+        assert list(scheduler.waiting) == [blocked]
+        num_blocked_steps += 1
+    assert num_blocked_steps >= 2
+    blocked_blocks = [tuple(range(100 + i, 104 + i)) for i in (0, 4, 8)]
+    assert [h for h in hashed if h in blocked_blocks] == blocked_blocks  # each of its 3 blocks once
