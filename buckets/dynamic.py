@@ -82,7 +82,6 @@ class DynamicBatcher:
         now = self.clock()
         for request, row in zip(batch, embeddings.tolist()):
             request.timeline["first_token"] = request.timeline["finished"] = now
-            request.info["outcome"] = "ok"
             request.emit(EmbeddingEvent(embedding=row, num_prompt_tokens=request.num_prompt_tokens))
         self._counters.num_finished += len(batch)
 
@@ -114,7 +113,6 @@ class DynamicBatcher:
                 self._counters.count_cancelled(request)
             elif is_expired(request.deadline_s, now):
                 self._counters.num_timed_out += 1
-                request.info["outcome"] = "timeout"
                 waited_s = now - request.timeline["enqueued"]
                 request.emit(ErrorEvent(DeadlineExceededError(f"the request's deadline passed after {waited_s:.3f} s queued")))
             else:
@@ -125,5 +123,4 @@ class DynamicBatcher:
     def _fail(self, requests: list[EmbeddingRequest], error: Exception) -> None:
         self._counters.num_failed += len(requests)
         for request in requests:
-            request.info["outcome"] = "error"
             request.emit(ErrorEvent(error))

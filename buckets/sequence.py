@@ -6,8 +6,7 @@ import enum
 import itertools
 
 from buckets.block_manager import hash_block_tokens
-from buckets.request import GenerationRequest, TokenEvent
-from models.detokenizer import IncrementalDetokenizer
+from buckets.request import GenerationRequest
 
 _seq_ids = itertools.count()
 
@@ -19,13 +18,24 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
-    """Prompt and output tokens of one request, how many are computed, and its detokenizer.
+class FinishReason(enum.Enum):
+    """Why a sequence ended. ``STOP``, ``LENGTH`` and ``TIMEOUT`` are the ``finish_reason`` a
+    client sees (their values); a ``CANCELLED`` or ``ERROR`` sequence ends without one."""
 
-    Owned by the bucket's worker thread.
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    TIMEOUT = "timeout"  # the request's deadline passed
+    CANCELLED = "cancelled"  # Request.cancel(): the client left, or the gateway's own timeout
+    ERROR = "error"  # a failed forward, or the bucket shutting down
+
+
+class Sequence:
+    """Prompt and output tokens of one request, how many are computed, and its prefix-cache keys.
+
+    Owned by the bucket's worker thread; the scheduler changes it, the output stage reads it.
     """
 
-    def __init__(self, request: GenerationRequest, detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int]):
+    def __init__(self, request: GenerationRequest, eos_token_ids: frozenset[int]) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
         self.prompt_token_ids = request.prompt_token_ids
@@ -34,10 +44,9 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_s = 0.0  # when it joined its bucket's queue (seconds, the scheduler's clock)
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None  # set by the scheduler when it ends
         # Chained prefix-cache keys of its full blocks of known tokens (see :meth:`extend_block_hashes`).
         self.block_hashes: list[int] = []
-        self._detokenizer = detokenizer
         self._eos_token_ids = frozenset() if request.ignore_eos else eos_token_ids
 
     @property
@@ -80,34 +89,12 @@ class Sequence:
             parent_hash = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids_between(start, start + block_size)))
 
-    def finish_timeout(self) -> TokenEvent:
-        """End a sequence that has outputs because its deadline passed: the last event, with
-        ``finish_reason="timeout"`` and the text held back so far (no new token)."""
-        self.finish_reason = "timeout"
-        text = self._detokenizer.update(self.output_token_ids, is_last=True)
-        return TokenEvent(
-            text=text,
-            token_ids=[],
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_completion_tokens=len(self.output_token_ids),
-        )
-
-    def append_token(self, token_id: int) -> TokenEvent:
-        """Add a sampled token, detect the end (EOS, stop string, ``max_tokens``), and return
-        the event to emit. Sets :attr:`finish_reason` when the sequence ends."""
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a sampled token; return why the sequence must end now (``STOP`` at an
+        end-of-sequence token unless ``ignore_eos``, ``LENGTH`` at ``max_tokens``), else ``None``."""
         self.output_token_ids.append(token_id)
         if token_id in self._eos_token_ids:
-            self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= self.request.max_tokens:
-            self.finish_reason = "length"
-        text = self._detokenizer.update(self.output_token_ids, is_last=self.finish_reason is not None)
-        if self._detokenizer.stopped:
-            self.finish_reason = "stop"
-        return TokenEvent(
-            text=text,
-            token_ids=[token_id],
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_completion_tokens=len(self.output_token_ids),
-        )
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.request.max_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -404,7 +404,7 @@ class Engine:
             pad_id = loaded.tokenizer.pad_token_id or 0
             runner = EmbeddingRunner(backend, pad_id, loaded.device, loaded.folder)
             batcher = DynamicBatcher(runner, dynamic_settings(config.batcher))
-        max_seq_tokens = batcher.max_seq_tokens if isinstance(batcher, ContinuousBatcher) else None
+        max_seq_tokens = batcher.kv_capacity_tokens if isinstance(batcher, ContinuousBatcher) else None
         return Bucket(
             config.bucket_name, model.name, config.max_input_tokens, batcher, device_slice, max_seq_tokens,
             max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens, backend_info=info,
