@@ -4,8 +4,10 @@ A :class:`buckets.continuous.ContinuousBatcher` runs with the real SmolLM2 token
 :class:`InstantRunner` that returns predetermined tokens at once (random ids from the vocabulary,
 special tokens left out, end-of-sequence ignored), so the time of a step is the batcher's own work.
 Each output length runs ``num_seqs`` sequences side by side; the figure is the steps' wall time
-minus the runner's, over the tokens generated, the best of ``repeats`` runs (a shared machine's
-noise only ever adds time).
+minus the runner's, over the tokens generated. The runs are deterministic, so step ``i`` does the
+same work in every repeat: each step counts with its fastest of ``repeats`` runs (a shared
+machine's noise only ever adds time, and a long run would otherwise be hit by it more often
+than a short one).
 
 The target (issue 13): the figure at 2,048 tokens within :data:`MAX_RATIO` of the figure at 64,
 that is, a per-token cost that does not grow with the output's length. ``sluice bench output``
@@ -104,9 +106,9 @@ def plain_token_ids(tokenizer: Any, num_tokens: int, seed: int) -> list[int]:
     return ids
 
 
-def time_outside_forward_s(tokenizer: Any, output_tokens: int, num_seqs: int, seed: int) -> float:
+def step_times_outside_forward_s(tokenizer: Any, output_tokens: int, num_seqs: int, seed: int) -> list[float]:
     """Run ``num_seqs`` sequences of ``output_tokens`` tokens each to the end; return the seconds
-    the batcher's steps took outside the runner."""
+    each of the batcher's steps took outside the runner."""
     token_ids = plain_token_ids(tokenizer, 4096, seed)
     blocks_per_seq = -(-(PROMPT_TOKENS + output_tokens) // BLOCK_SIZE_TOKENS)
     runner = InstantRunner(token_ids, num_blocks=blocks_per_seq * num_seqs, block_size=BLOCK_SIZE_TOKENS)
@@ -123,21 +125,23 @@ def time_outside_forward_s(tokenizer: Any, output_tokens: int, num_seqs: int, se
             max_tokens=output_tokens,
             ignore_eos=True,
         ))
-    step_s = 0.0
+    times_s: list[float] = []
     while sink.num_finished < num_seqs:
+        forward_before_s = runner.forward_s
         started = time.perf_counter()
         batcher.step()
-        step_s += time.perf_counter() - started
-    return step_s - runner.forward_s
+        times_s.append(time.perf_counter() - started - (runner.forward_s - forward_before_s))
+    return times_s
 
 
 def measure(
-    tokenizer: Any, lengths: tuple[int, ...] = OUTPUT_LENGTHS_TOKENS, num_seqs: int = 4, repeats: int = 3, seed: int = 0
+    tokenizer: Any, lengths: tuple[int, ...] = OUTPUT_LENGTHS_TOKENS, num_seqs: int = 4, repeats: int = 5, seed: int = 0
 ) -> list[OutputStageRow]:
-    """One row per output length (in the order given), the best of ``repeats`` runs each."""
+    """One row per output length (in the order given), each step at its fastest of ``repeats`` runs."""
     figures: list[float] = []
     for output_tokens in lengths:
-        best_s = min(time_outside_forward_s(tokenizer, output_tokens, num_seqs, seed) for _ in range(repeats))
+        runs = [step_times_outside_forward_s(tokenizer, output_tokens, num_seqs, seed) for _ in range(repeats)]
+        best_s = sum(min(step_s) for step_s in zip(*runs))
         figures.append(best_s / (output_tokens * num_seqs) * 1e6)
     return [OutputStageRow(n, us, us / figures[0]) for n, us in zip(lengths, figures)]
 
@@ -152,7 +156,7 @@ def format_table(rows: list[OutputStageRow]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=list(OUTPUT_LENGTHS_TOKENS), help="output lengths in tokens")
     parser.add_argument("--num-seqs", type=int, default=4, help="sequences in the batch")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per length; the best counts")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per length; each step's fastest counts")
     parser.add_argument("--seed", type=int, default=0, help="seed of the predetermined tokens")
 
 
