@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -18,6 +19,7 @@ from buckets.block_manager import BlockManager
 from buckets.errors import BatchFailedError, KVCapacityError, ShuttingDownError
 from buckets.output import OutputProcessor
 from buckets.request import ErrorEvent, GenerationRequest, Request
+from buckets.runner import ModelRunner
 from buckets.scheduler import Scheduler
 from buckets.sequence import FinishReason, Sequence
 from buckets.settings import ContinuousBatcherSettings
@@ -29,27 +31,30 @@ log = structlog.get_logger(__name__)
 
 
 class ContinuousBatcher:
-    """Owns a :class:`Scheduler` and a model runner (``run(ForwardInput) -> ForwardOutput``).
+    """Owns a :class:`Scheduler`, its :class:`OutputProcessor` and a :class:`ModelRunner`.
 
     Args:
         runner: the model runner (for example :class:`models.causal_lm.CausalLMRunner`); its
             ``kv_cache`` (``num_blocks``, ``block_size``) sizes the block manager.
         settings: ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, prefix caching.
-        tokenizer: detokenizes outputs.
+        tokenizer: a Hugging Face tokenizer; detokenizes outputs (``decode``).
         eos_token_ids: tokens that end a sequence with ``finish_reason="stop"``.
         clock: seconds, monotonic.
+
+    Raises:
+        ValueError: the runner's KV block size differs from ``settings.block_size``.
     """
 
     kind = "continuous"
 
     def __init__(
         self,
-        runner: Any,
+        runner: ModelRunner,
         settings: ContinuousBatcherSettings,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         if runner.kv_cache.block_size != settings.block_size:
             raise ValueError(f"runner block_size {runner.kv_cache.block_size} != settings {settings.block_size}")
         self.runner = runner

@@ -10,12 +10,13 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 import structlog
 
 from buckets.errors import BatchFailedError, DeadlineExceededError, ShuttingDownError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, Request
+from buckets.runner import EncoderRunner
 from buckets.settings import DynamicBatcherSettings
 from buckets.stats import BatchObserver, BucketStats, Counters
 from policies.batching import seconds_until_batch_closes
@@ -26,7 +27,7 @@ log = structlog.get_logger(__name__)
 
 
 class DynamicBatcher:
-    """Batches embedding requests for a runner with ``embed(list[list[int]]) -> (Tensor, int)``.
+    """Batches embedding requests for an :class:`EncoderRunner` (``embed(list[list[int]]) -> (rows, num_padding)``).
 
     Args:
         runner: for example :class:`models.encoder.EmbeddingRunner`.
@@ -36,7 +37,9 @@ class DynamicBatcher:
 
     kind = "dynamic"
 
-    def __init__(self, runner: Any, settings: DynamicBatcherSettings, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, runner: EncoderRunner, settings: DynamicBatcherSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.runner = runner
         self.settings = settings
         self.clock = clock
