@@ -147,6 +147,23 @@ def test_a_running_sequence_past_its_deadline_ends_with_timeout_and_frees_its_bl
     core.scheduler.block_manager.check_invariants()
 
 
+def test_a_timeout_releases_the_text_held_back_for_stop_strings() -> None:
+    core = make_core()
+    clock = core.scheduler.clock
+    assert isinstance(clock, FakeClock)
+    request = make_request(2, max_tokens=50, stop=("XYZ",), name="held")
+    request.deadline_s = 1.0
+    core.add(make_sequence(request))
+    for token_id in (1, 2, 3):  # 'b', 'c', 'd'; the last 2 characters stay held for "XYZ"
+        run_step(core, token_id=token_id)
+    assert "".join(e.text for e in events_of(request) if isinstance(e, TokenEvent)) == "b"
+    clock.now = 1.0
+    core.drop_ended()
+    last = events_of(request)[-1]
+    assert isinstance(last, TokenEvent) and last.finish_reason == "timeout" and last.text == "cd"
+    assert request.timeline["finished"] == 1.0
+
+
 def test_a_sequence_in_prefill_past_its_deadline_gets_an_error() -> None:
     core = make_core(max_num_batched_tokens=4)
     clock = core.scheduler.clock
