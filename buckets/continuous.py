@@ -161,6 +161,7 @@ class ContinuousBatcher:
                 self.output.add(seq)
 
     def _count(self, ended: list[Sequence]) -> None:
+        """Count ended sequences by reason: cancelled (or timed out by the gateway), timed out, finished."""
         for seq in ended:
             if seq.finish_reason is FinishReason.CANCELLED:
                 self._counters.count_cancelled(seq.request)
