@@ -9,8 +9,10 @@ without asking first is a caller bug (``AssertionError``).
 Prefix caching: a full block ``i`` of a sequence is keyed by the chained hash
 ``h_i = H(h_{i-1} || token_ids[i*bs:(i+1)*bs])`` with ``h_{-1}`` empty, so a key names the whole
 prefix up to and including that block. ``H`` is 128-bit BLAKE2b (vLLM moved from Python's
-``hash`` to SHA-256 for the same reason: a collision would silently reuse another prompt's KV). Only full, computed blocks are hashed
-(by ``commit``). A block whose ref count drops to 0 keeps its hash and waits in an LRU set of
+``hash`` to SHA-256 for the same reason: a collision would silently reuse another prompt's KV).
+The caller computes a sequence's hashes once (with :func:`hash_block_tokens`, kept on the
+``Sequence`` and extended as outputs fill blocks) and passes them in; the manager never hashes tokens itself.
+Only full, computed blocks are registered (by ``commit``). A block whose ref count drops to 0 keeps its hash and waits in an LRU set of
 evictable blocks; a later sequence with the same prefix takes it back, and a fresh allocation
 that finds the free list empty evicts the least recently freed one.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -50,7 +53,7 @@ class BlockManagerStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: list[int]) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """The chained key of one full block: its tokens plus the key of the block before it
     (128-bit BLAKE2b of the parent key's bytes and the token ids as int64)."""
     digest = hashlib.blake2b(digest_size=16)
@@ -93,8 +96,8 @@ class BlockManager:
         self._evictable_block_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._cached_block_ids: dict[int, int] = {}
         self._block_tables: dict[int, list[int]] = {}
-        # Chained hashes of each sequence's leading full computed blocks (registered or not).
-        self._seq_block_hashes: dict[int, list[int]] = {}
+        # How many leading full computed blocks of each sequence were committed (registered or not).
+        self._num_committed_blocks: dict[int, int] = {}
         self._num_used_blocks = 0
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
@@ -136,29 +139,32 @@ class BlockManager:
 
     # ---- allocation -----------------------------------------------------------------------
 
-    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of ``token_ids`` :meth:`allocate` would find in the prefix
-        cache now (a multiple of ``block_size``, at most ``len(token_ids) - 1``). The scheduler
-        asks when it sizes a new sequence's first chunk; this changes nothing, stats included.
+    def num_cached_prefix_tokens(self, block_hashes: Sequence[int], num_known_tokens: int) -> int:
+        """How many leading tokens of a sequence :meth:`allocate` would find in the prefix cache
+        now (a multiple of ``block_size``, at most ``num_known_tokens - 1``). ``block_hashes``
+        are the chained keys of the full blocks of its ``num_known_tokens`` known tokens
+        (:func:`hash_block_tokens`). The scheduler asks when it sizes a new sequence's first chunk;
+        this changes nothing, stats included.
         """
-        return len(self._find_cached_prefix(token_ids)) * self.block_size
+        return len(self._find_cached_prefix(block_hashes, num_known_tokens)) * self.block_size
 
-    def can_allocate(self, token_ids: list[int], num_tokens: int) -> bool:
-        """Could a new sequence with known tokens ``token_ids`` get blocks for its first
-        ``num_tokens`` positions? Prefix-cache hits need no fresh block, but an evictable hit
-        stops counting as free once taken. The scheduler asks before :meth:`allocate`; this
-        changes nothing, stats included.
+    def can_allocate(self, block_hashes: Sequence[int], num_known_tokens: int, num_tokens: int) -> bool:
+        """Could a new sequence (``block_hashes`` of its ``num_known_tokens`` known tokens) get
+        blocks for its first ``num_tokens`` positions? Prefix-cache hits need no fresh block,
+        but an evictable hit stops counting as free once taken. The scheduler asks before
+        :meth:`allocate`; this changes nothing, stats included.
         """
-        return self._fits(self._find_cached_prefix(token_ids), num_tokens)
+        return self._fits(self._find_cached_prefix(block_hashes, num_known_tokens), num_tokens)
 
-    def allocate(self, seq_id: int, token_ids: list[int], num_tokens: int) -> int:
+    def allocate(self, seq_id: int, block_hashes: Sequence[int], num_known_tokens: int, num_tokens: int) -> int:
         """Create the block table of a new sequence and return how many of its leading tokens
         are already in the KV cache (``num_cached_tokens``, a multiple of ``block_size``).
 
-        Reuses cached blocks for the longest cached prefix of ``token_ids``, capped so at least
-        one token is left to compute, then takes fresh blocks up to
-        ``max(blocks_needed(num_tokens), hits)``. Called by the scheduler when it admits a
-        waiting (or preempted) sequence, after :meth:`can_allocate` said yes.
+        Reuses cached blocks for the longest cached prefix named by ``block_hashes`` (the keys of
+        the full blocks of its ``num_known_tokens`` known tokens), capped so at least one token is
+        left to compute, then takes fresh blocks up to ``max(blocks_needed(num_tokens), hits)``.
+        Called by the scheduler when it admits a waiting (or preempted) sequence, after
+        :meth:`can_allocate` said yes.
 
         Raises:
             ValueError: ``seq_id`` already holds a block table.
@@ -166,16 +172,16 @@ class BlockManager:
         """
         if seq_id in self._block_tables:
             raise ValueError(f"seq_id {seq_id} is already allocated")
-        hits = self._find_cached_prefix(token_ids)
+        hits = self._find_cached_prefix(block_hashes, num_known_tokens)
         assert self._fits(hits, num_tokens), f"seq_id {seq_id} does not fit; ask can_allocate first"
         if self.enable_prefix_caching:
-            self._prefix_cache_queries += self._max_cached_blocks(token_ids)
+            self._prefix_cache_queries += self._max_cached_blocks(num_known_tokens)
             self._prefix_cache_hits += len(hits)
-        table = [self._take_cached_block(block_id) for _, block_id in hits]
+        table = [self._take_cached_block(block_id) for block_id in hits]
         num_fresh = max(self.blocks_needed(num_tokens), len(hits)) - len(hits)
         table.extend(self._take_free_block() for _ in range(num_fresh))
         self._block_tables[seq_id] = table
-        self._seq_block_hashes[seq_id] = [block_hash for block_hash, _ in hits]
+        self._num_committed_blocks[seq_id] = len(hits)
         self._check_counts()
         return len(hits) * self.block_size
 
@@ -200,33 +206,31 @@ class BlockManager:
         table.extend(self._take_free_block() for _ in range(num_missing))
         self._check_counts()
 
-    def commit(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
+    def commit(self, seq_id: int, block_hashes: Sequence[int], num_computed_tokens: int) -> None:
         """Register in the prefix cache every block now full of computed tokens.
 
         Called by the scheduler in ``postprocess``, after a forward wrote KV for positions
-        ``< num_computed_tokens``; ``token_ids`` are all the sequence's tokens so far. A block
-        whose hash is already registered to another block stays unregistered (and is plainly
-        freed later). Does nothing when prefix caching is disabled.
+        ``< num_computed_tokens``; ``block_hashes`` are the keys of the sequence's full blocks so
+        far (:func:`hash_block_tokens`). A block whose hash is already registered to another block
+        stays unregistered (and is plainly freed later). Does nothing when prefix caching is
+        disabled.
 
         Raises:
             KeyError: unknown ``seq_id``.
-            ValueError: fewer than ``num_computed_tokens`` tokens given, or more computed
-                tokens than the table holds.
+            ValueError: fewer hashes than full computed blocks, or more computed tokens than
+                the table holds.
         """
         table = self._block_tables[seq_id]
-        if len(token_ids) < num_computed_tokens:
-            raise ValueError(f"num_computed_tokens {num_computed_tokens} exceeds len(token_ids) {len(token_ids)}")
+        num_full_blocks = num_computed_tokens // self.block_size
         if self.blocks_needed(num_computed_tokens) > len(table):
             raise ValueError(f"num_computed_tokens {num_computed_tokens} exceeds seq_id {seq_id}'s {len(table)} blocks")
         if not self.enable_prefix_caching:
             return
-        seq_hashes = self._seq_block_hashes[seq_id]
-        bs = self.block_size
-        for i in range(len(seq_hashes), num_computed_tokens // bs):
-            parent_hash = seq_hashes[-1] if seq_hashes else None
-            block_hash = hash_block_tokens(parent_hash, token_ids[i * bs : (i + 1) * bs])
-            seq_hashes.append(block_hash)
-            self._register(table[i], block_hash)
+        if len(block_hashes) < num_full_blocks:
+            raise ValueError(f"{len(block_hashes)} block_hashes for {num_full_blocks} full computed blocks")
+        for i in range(self._num_committed_blocks[seq_id], num_full_blocks):
+            self._register(table[i], block_hashes[i])
+        self._num_committed_blocks[seq_id] = max(self._num_committed_blocks[seq_id], num_full_blocks)
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's block table. Each block's ref count falls by one; a block left
@@ -239,7 +243,7 @@ class BlockManager:
         if seq_id not in self._block_tables:
             raise KeyError(f"seq_id {seq_id} is not allocated")
         table = self._block_tables.pop(seq_id)
-        del self._seq_block_hashes[seq_id]
+        del self._num_committed_blocks[seq_id]
         for block_id in reversed(table):
             self._release(block_id)
         self._check_counts()
@@ -278,30 +282,26 @@ class BlockManager:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _max_cached_blocks(self, token_ids: list[int]) -> int:
-        """Full blocks of ``token_ids`` that may be reused, leaving at least one token to compute."""
-        return max(0, (len(token_ids) - 1) // self.block_size)
+    def _max_cached_blocks(self, num_known_tokens: int) -> int:
+        """Full blocks of a sequence that may be reused, leaving at least one token to compute."""
+        return max(0, (num_known_tokens - 1) // self.block_size)
 
-    def _find_cached_prefix(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """``(hash, block_id)`` of the cached leading blocks of ``token_ids``; stops at the first miss."""
-        hits: list[tuple[int, int]] = []
+    def _find_cached_prefix(self, block_hashes: Sequence[int], num_known_tokens: int) -> list[int]:
+        """Block ids of the cached leading blocks named by ``block_hashes``; stops at the first miss."""
+        hits: list[int] = []
         if not self.enable_prefix_caching:
             return hits
-        parent_hash: int | None = None
-        bs = self.block_size
-        for i in range(self._max_cached_blocks(token_ids)):
-            block_hash = hash_block_tokens(parent_hash, token_ids[i * bs : (i + 1) * bs])
-            block_id = self._cached_block_ids.get(block_hash)
+        for i in range(min(len(block_hashes), self._max_cached_blocks(num_known_tokens))):
+            block_id = self._cached_block_ids.get(block_hashes[i])
             if block_id is None:
                 break
-            hits.append((block_hash, block_id))
-            parent_hash = block_hash
+            hits.append(block_id)
         return hits
 
-    def _fits(self, hits: list[tuple[int, int]], num_tokens: int) -> bool:
+    def _fits(self, hits: list[int], num_tokens: int) -> bool:
         """Whether the fresh blocks a new sequence needs beyond ``hits`` are free, not counting
         evictable hit blocks, which stop being free once the sequence takes them."""
-        num_evictable_hits = sum(1 for _, block_id in hits if self._ref_counts[block_id] == 0)
+        num_evictable_hits = sum(1 for block_id in hits if self._ref_counts[block_id] == 0)
         num_fresh = max(self.blocks_needed(num_tokens), len(hits)) - len(hits)
         return num_fresh <= self.num_free_blocks - num_evictable_hits
 

@@ -2,60 +2,67 @@
 
 Every step runs all running sequences in one forward; new requests join between steps and
 finished ones leave at once. A failed forward fails the requests in it and the loop goes on.
+A step is schedule -> run -> postprocess -> output: :class:`Scheduler` plans and keeps the books,
+the runner computes, :class:`OutputProcessor` turns the result into text and events.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
 from buckets.block_manager import BlockManager
 from buckets.errors import BatchFailedError, KVCapacityError, ShuttingDownError
+from buckets.output import OutputProcessor
 from buckets.request import ErrorEvent, GenerationRequest, Request
+from buckets.runner import ModelRunner
 from buckets.scheduler import Scheduler
-from buckets.sequence import Sequence
+from buckets.sequence import FinishReason, Sequence
 from buckets.settings import ContinuousBatcherSettings
 from buckets.stats import BatchObserver, BucketStats, Counters
-from models.detokenizer import IncrementalDetokenizer
-from models.step_io import ForwardInput, ForwardOutput
+from models.step_io import ForwardInput
 from policies.priority import effective_priority
 
 log = structlog.get_logger(__name__)
 
 
 class ContinuousBatcher:
-    """Owns a :class:`Scheduler` and a model runner (``run(ForwardInput) -> ForwardOutput``).
+    """Owns a :class:`Scheduler`, its :class:`OutputProcessor` and a :class:`ModelRunner`.
 
     Args:
         runner: the model runner (for example :class:`models.causal_lm.CausalLMRunner`); its
             ``kv_cache`` (``num_blocks``, ``block_size``) sizes the block manager.
         settings: ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, prefix caching.
-        tokenizer: detokenizes outputs.
+        tokenizer: a Hugging Face tokenizer; detokenizes outputs (``decode``).
         eos_token_ids: tokens that end a sequence with ``finish_reason="stop"``.
         clock: seconds, monotonic.
+
+    Raises:
+        ValueError: the runner's KV block size differs from ``settings.block_size``.
     """
 
     kind = "continuous"
 
     def __init__(
         self,
-        runner: Any,
+        runner: ModelRunner,
         settings: ContinuousBatcherSettings,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         if runner.kv_cache.block_size != settings.block_size:
             raise ValueError(f"runner block_size {runner.kv_cache.block_size} != settings {settings.block_size}")
         self.runner = runner
         self.settings = settings
         self.block_manager = BlockManager(runner.kv_cache.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(settings, self.block_manager, clock)
+        self.output = OutputProcessor(self.scheduler, tokenizer, clock)
         self.clock = clock
-        self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
         self._inbox: collections.deque[GenerationRequest] = collections.deque()
         self._counters = Counters()
@@ -89,18 +96,17 @@ class ContinuousBatcher:
         self._pending_settings = settings
 
     def step(self) -> None:
+        """One step: drop ended requests, schedule, run the forward, postprocess, emit (worker thread)."""
         settings, self._pending_settings = self._pending_settings, None
         if settings is not None:
             self.settings = settings
             self.scheduler.update_settings(settings)
         self._take_inbox()
-        cancelled, expired = self.scheduler.drop_ended(self.clock())
-        for seq in cancelled:
-            self._counters.count_cancelled(seq.request)
-        self._counters.num_timed_out += len(expired)
+        self._count(self.output.process(self.scheduler.drop_ended(self.clock())))
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return
+        self.output.record_plan(plan)
         try:
             output = self.runner.run(plan.forward)
         except Exception as exc:  # a failed forward fails its requests, never the loop
@@ -109,13 +115,12 @@ class ContinuousBatcher:
             return
         if plan.scheduled:
             self._counters.record_batch(len(plan.scheduled), plan.forward.num_tokens)
-        finished = self.scheduler.postprocess(plan, output)
-        self._counters.num_finished += len(finished)
+        self._count(self.output.process(self.scheduler.postprocess(plan, output)))
 
     @property
-    def max_seq_tokens(self) -> int:
+    def kv_capacity_tokens(self) -> int:
         """The most tokens (prompt + ``max_tokens``) one request may need: the whole KV pool."""
-        return self.scheduler.max_seq_tokens
+        return self.scheduler.kv_capacity_tokens
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Call ``observer(num_seqs, num_tokens, num_padding_tokens)`` after every forward (worker thread)."""
@@ -146,16 +151,26 @@ class ContinuousBatcher:
     def _take_inbox(self) -> None:
         while self._inbox:
             request = self._inbox.popleft()
-            detokenizer = IncrementalDetokenizer(self._tokenizer, request.stop)
+            seq = Sequence(request, self._eos_token_ids)
             try:
-                self.scheduler.add(Sequence(request, detokenizer, self._eos_token_ids))
+                self.scheduler.add(seq)
             except KVCapacityError as exc:
-                request.info["outcome"] = "error"
                 self._counters.num_failed += 1
                 request.emit(ErrorEvent(exc))
+            else:
+                self.output.add(seq)
+
+    def _count(self, ended: list[Sequence]) -> None:
+        """Count ended sequences by reason: cancelled (or timed out by the gateway), timed out, finished."""
+        for seq in ended:
+            if seq.finish_reason is FinishReason.CANCELLED:
+                self._counters.count_cancelled(seq.request)
+            elif seq.finish_reason is FinishReason.TIMEOUT:
+                self._counters.num_timed_out += 1
+            else:
+                self._counters.num_finished += 1
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> None:
         self.scheduler.fail(seqs)
+        self.output.fail(seqs, error)
         self._counters.num_failed += len(seqs)
-        for seq in seqs:
-            seq.request.emit(ErrorEvent(error))

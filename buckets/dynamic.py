@@ -10,12 +10,13 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 import structlog
 
 from buckets.errors import BatchFailedError, DeadlineExceededError, ShuttingDownError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, Request
+from buckets.runner import EncoderRunner
 from buckets.settings import DynamicBatcherSettings
 from buckets.stats import BatchObserver, BucketStats, Counters
 from policies.batching import seconds_until_batch_closes
@@ -26,7 +27,7 @@ log = structlog.get_logger(__name__)
 
 
 class DynamicBatcher:
-    """Batches embedding requests for a runner with ``embed(list[list[int]]) -> (Tensor, int)``.
+    """Batches embedding requests for an :class:`EncoderRunner` (``embed(list[list[int]]) -> (rows, num_padding)``).
 
     Args:
         runner: for example :class:`models.encoder.EmbeddingRunner`.
@@ -36,7 +37,9 @@ class DynamicBatcher:
 
     kind = "dynamic"
 
-    def __init__(self, runner: Any, settings: DynamicBatcherSettings, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, runner: EncoderRunner, settings: DynamicBatcherSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.runner = runner
         self.settings = settings
         self.clock = clock
@@ -82,7 +85,6 @@ class DynamicBatcher:
         now = self.clock()
         for request, row in zip(batch, embeddings.tolist()):
             request.timeline["first_token"] = request.timeline["finished"] = now
-            request.info["outcome"] = "ok"
             request.emit(EmbeddingEvent(embedding=row, num_prompt_tokens=request.num_prompt_tokens))
         self._counters.num_finished += len(batch)
 
@@ -114,7 +116,6 @@ class DynamicBatcher:
                 self._counters.count_cancelled(request)
             elif is_expired(request.deadline_s, now):
                 self._counters.num_timed_out += 1
-                request.info["outcome"] = "timeout"
                 waited_s = now - request.timeline["enqueued"]
                 request.emit(ErrorEvent(DeadlineExceededError(f"the request's deadline passed after {waited_s:.3f} s queued")))
             else:
@@ -125,5 +126,4 @@ class DynamicBatcher:
     def _fail(self, requests: list[EmbeddingRequest], error: Exception) -> None:
         self._counters.num_failed += len(requests)
         for request in requests:
-            request.info["outcome"] = "error"
             request.emit(ErrorEvent(error))

@@ -8,7 +8,6 @@ cancelled request at its next step and frees what it held.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -46,7 +45,6 @@ class ErrorEvent:
 RequestEvent = TokenEvent | EmbeddingEvent | ErrorEvent
 Sink = Callable[[RequestEvent], None]
 
-_request_counter = itertools.count()
 _cancel_lock = threading.Lock()
 
 
@@ -79,7 +77,6 @@ class Request:
     info: dict[str, Any] = field(default_factory=dict)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     _cancel_reason: str = field(default="cancelled", repr=False)
-    seq_no: int = field(default_factory=lambda: next(_request_counter))
     on_dequeue: Callable[[], None] | None = field(default=None, repr=False)
     on_cancel: Callable[[Request], None] | None = field(default=None, repr=False)
 

@@ -1,9 +1,11 @@
 """Iteration-level scheduling for the continuous batcher: which tokens run in the next step.
 
-One step is three calls with plain data between them (as in vLLM v1 and nano-vllm):
+One step is four calls with plain data between them (as in vLLM v1 and nano-vllm):
 ``schedule() -> StepPlan``, ``ModelRunner.run(plan.forward) -> ForwardOutput``,
-``postprocess(plan, output) -> finished``. The scheduler and its
-:class:`~buckets.block_manager.BlockManager` are integer bookkeeping only; they never touch tensors.
+``postprocess(plan, output) -> StepResult``, then
+:meth:`buckets.output.OutputProcessor.process` turns the result into text and events. The
+scheduler and its :class:`~buckets.block_manager.BlockManager` are integer bookkeeping only:
+they never touch tensors, text, events or admission tickets.
 
 Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 
@@ -21,14 +23,12 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 from __future__ import annotations
 
 import itertools
-import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable
 
 from buckets.block_manager import BlockManager
-from buckets.errors import DeadlineExceededError, KVCapacityError
-from buckets.request import ErrorEvent
-from buckets.sequence import Sequence, SequenceStatus
+from buckets.errors import KVCapacityError
+from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
 from models.step_io import ForwardInput, ForwardOutput, SequenceInput
 from policies.deadlines import is_expired
@@ -57,6 +57,20 @@ class StepPlan:
         return not self.forward.sequences and not self.forward.released_seq_ids
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What a step (or a drop of ended sequences) changed, for the output stage.
+
+    Fields:
+        new_token_ids: tokens appended this step, by ``seq_id`` (one sampled token each; a
+            sequence whose prefill chunk sampled nothing is absent).
+        finished: sequences that ended, by ``seq_id``, with the reason; their blocks are freed.
+    """
+
+    new_token_ids: Mapping[int, list[int]] = field(default_factory=dict)
+    finished: Mapping[int, FinishReason] = field(default_factory=dict)
+
+
 @dataclass
 class SchedulerCounters:
     """Totals since start: preemptions and prefill chunks that left part of a prompt for later."""
@@ -71,15 +85,17 @@ class Scheduler:
     Args:
         settings: step budgets.
         block_manager: the bucket's KV block bookkeeping.
-        clock: returns seconds (monotonic); stamps request timelines.
+        clock: returns seconds (monotonic); the arrival time of a sequence queued without an
+            ``enqueued`` stamp.
     """
 
-    def __init__(self, settings: ContinuousBatcherSettings, block_manager: BlockManager, clock: Callable[[], float]):
+    def __init__(self, settings: ContinuousBatcherSettings, block_manager: BlockManager, clock: Callable[[], float]) -> None:
         self.settings = settings
         self.block_manager = block_manager
         self.clock = clock
         self.waiting: AgingPriorityQueue[Sequence] = AgingPriorityQueue(settings.priority_aging_s)
         self.running: list[Sequence] = []
+        self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id
         self.counters = SchedulerCounters()
         self._released: list[int] = []
         self._step_ids = itertools.count()
@@ -98,7 +114,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self._released)
 
     @property
-    def max_seq_tokens(self) -> int:
+    def kv_capacity_tokens(self) -> int:
         """The most tokens one sequence can ever hold: the whole pool."""
         return self.block_manager.num_blocks * self.block_manager.block_size
 
@@ -110,49 +126,31 @@ class Scheduler:
             KVCapacityError: prompt + ``max_tokens`` needs more blocks than the whole pool holds,
                 so the sequence could never finish (the gateway refuses such requests earlier).
         """
-        if seq.max_total_tokens > self.max_seq_tokens:
+        if seq.max_total_tokens > self.kv_capacity_tokens:
             raise KVCapacityError(
-                f"prompt + max_tokens = {seq.max_total_tokens} tokens exceeds the KV pool's {self.max_seq_tokens} tokens"
+                f"prompt + max_tokens = {seq.max_total_tokens} tokens exceeds the KV pool's {self.kv_capacity_tokens} tokens"
             )
         seq.status = SequenceStatus.WAITING
+        self._live[seq.seq_id] = seq
+        if self.settings.enable_prefix_caching:
+            seq.extend_block_hashes(self.block_manager.block_size)
         seq.arrival_s = seq.request.timeline.get("enqueued", self.clock())
         self._enqueue(seq)
 
-    def drop_ended(self, now: float) -> tuple[list[Sequence], list[Sequence]]:
-        """In one pass over both queues, end the cancelled sequences and those whose deadline has
-        passed at ``now``; their blocks return to the pool at once. Returns ``(cancelled, expired)``.
-
-        A cancelled one's outcome is the reason it was cancelled for (``cancelled`` or
-        ``timeout``); nothing is emitted for it. An expired one with outputs gets a last event with
-        ``finish_reason="timeout"`` (what it generated stands); one without (queued, or still in
-        prefill) gets an error event carrying :class:`~buckets.errors.DeadlineExceededError`.
-        """
-        cancelled: list[Sequence] = []
-        expired: list[Sequence] = []
+    def drop_ended(self, now: float) -> StepResult:
+        """In one pass over both queues, end the cancelled sequences (``CANCELLED``) and those
+        whose deadline has passed at ``now`` (``TIMEOUT``); their blocks return to the pool at
+        once. The batcher calls it before each :meth:`schedule`; the output stage tells the
+        clients (:meth:`buckets.output.OutputProcessor.process`)."""
+        finished: dict[int, FinishReason] = {}
         for seq in itertools.chain(self.waiting, self.running):
             if seq.request.is_cancelled:
-                cancelled.append(seq)
+                finished[seq.seq_id] = FinishReason.CANCELLED
             elif is_expired(seq.request.deadline_s, now):
-                expired.append(seq)
-        for seq in cancelled:
-            self._finish(seq, seq.request.cancel_reason or "cancelled")
-        for seq in expired:
-            self._finish(seq, "timeout")
-            if seq.output_token_ids:
-                seq.request.emit(seq.finish_timeout())
-            else:
-                seq.request.emit(ErrorEvent(DeadlineExceededError(
-                    f"the request's deadline passed after {now - seq.arrival_s:.3f} s, before its first token"
-                )))
-        return cancelled, expired
-
-    def drop_cancelled(self) -> list[Sequence]:
-        """:meth:`drop_ended` for cancellations alone; returns the dropped sequences."""
-        return self.drop_ended(-math.inf)[0]
-
-    def drop_expired(self, now: float) -> list[Sequence]:
-        """:meth:`drop_ended` at ``now``; returns the sequences that expired."""
-        return self.drop_ended(now)[1]
+                finished[seq.seq_id] = FinishReason.TIMEOUT
+        for seq_id, reason in finished.items():
+            self.finish(seq_id, reason)
+        return StepResult(finished=finished)
 
     def schedule(self) -> StepPlan:
         """Plan the next step (decodes, then prefill chunks, then new sequences)."""
@@ -162,13 +160,9 @@ class Scheduler:
         budget -= sum(n for _, n in scheduled.values())
         if not num_preempted:
             self._schedule_waiting(scheduled, budget)
-        step_id = next(self._step_ids)
         seqs = [seq for seq, _ in scheduled.values()]
-        inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
-        for index, seq in enumerate(seqs):
-            seq.request.batches.append((step_id, index))
-        forward = ForwardInput(inputs, self.take_released())
-        return StepPlan(step_id=step_id, forward=forward, scheduled=seqs, num_preempted=num_preempted)
+        forward = ForwardInput([self._input_of(seq, n) for seq, n in scheduled.values()], self.take_released())
+        return StepPlan(step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted)
 
     def _schedule_running(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> int:
         """Give running sequences their tokens, decodes first; preempt when blocks run out.
@@ -199,16 +193,14 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
             seq = self.waiting.peek()
-            token_ids = seq.all_token_ids
-            num_cached = manager.num_cached_prefix_tokens(token_ids)
-            num_tokens = min(len(token_ids) - num_cached, budget)
-            if not manager.can_allocate(token_ids, num_cached + num_tokens):
+            num_known = seq.num_tokens
+            num_cached = manager.num_cached_prefix_tokens(seq.block_hashes, num_known)
+            num_tokens = min(num_known - num_cached, budget)
+            if not manager.can_allocate(seq.block_hashes, num_known, num_cached + num_tokens):
                 break
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, token_ids, num_cached + num_tokens)
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.block_hashes, num_known, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
             self.waiting.pop()
-            seq.request.leave_queue()  # a no-op for a preempted sequence coming back
-            seq.request.timeline.setdefault("started", self.clock())
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = (seq, num_tokens)
@@ -241,31 +233,34 @@ class Scheduler:
         self._enqueue(seq)
         self.counters.num_preemptions += 1
 
-    def postprocess(self, plan: StepPlan, output: ForwardOutput) -> list[Sequence]:
-        """Record computed tokens, cache full blocks, append sampled tokens, emit events;
-        return the sequences that finished."""
-        finished: list[Sequence] = []
-        now = self.clock()
+    def postprocess(self, plan: StepPlan, output: ForwardOutput) -> StepResult:
+        """Record computed tokens, cache full blocks, append sampled tokens and finish the
+        sequences that reached an end-of-sequence token or ``max_tokens`` (freeing their blocks).
+        Called by the batcher after the forward of ``plan``."""
+        new_token_ids: dict[int, list[int]] = {}
+        finished: dict[int, FinishReason] = {}
+        block_size = self.block_manager.block_size
         for seq, seq_input in zip(plan.scheduled, plan.forward.sequences):
             before = seq.num_computed_tokens
             seq.num_computed_tokens += len(seq_input.token_ids)
             if self._filled_a_block(before, seq.num_computed_tokens):
-                self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                self.block_manager.commit(seq.seq_id, seq.block_hashes, seq.num_computed_tokens)
             token_id = output.sampled_token_ids.get(seq.seq_id)
             if token_id is None:
                 self.counters.num_chunked_prefills += 1
                 continue
-            event = seq.append_token(token_id)
-            seq.request.timeline.setdefault("first_token", now)
-            seq.request.emit(event)
-            if seq.finish_reason is not None:
-                self._finish(seq, seq.finish_reason)
-                finished.append(seq)
-        return finished
+            reason = seq.append_token(token_id)
+            if self.settings.enable_prefix_caching:
+                seq.extend_block_hashes(block_size)
+            new_token_ids[seq.seq_id] = [token_id]
+            if reason is not None:
+                self._finish(seq, reason)
+                finished[seq.seq_id] = reason
+        return StepResult(new_token_ids, finished)
 
     def _filled_a_block(self, before: int, after: int) -> bool:
         """Whether computing positions ``before .. after`` completed a block worth caching (most
-        decode steps do not; skipping them spares copying the sequence's tokens every step)."""
+        decode steps do not; skipping them spares a call every step)."""
         block_size = self.block_manager.block_size
         return self.settings.enable_prefix_caching and after // block_size > before // block_size
 
@@ -274,12 +269,22 @@ class Scheduler:
         released, self._released = self._released, []
         return released
 
-    def fail(self, seqs: list[Sequence]) -> None:
-        """Take failed sequences out of the queues and free their blocks."""
-        for seq in seqs:
-            self._finish(seq, "error")
+    def finish(self, seq_id: int, reason: FinishReason) -> None:
+        """End a waiting or running sequence now: out of its queue, its blocks freed, its
+        sampler state released at the next plan. The output stage calls it when a stop string
+        appears (``STOP``).
 
-    def _finish(self, seq: Sequence, outcome: str) -> None:
+        Raises:
+            KeyError: ``seq_id`` is not waiting or running (unknown, or already finished).
+        """
+        self._finish(self._live[seq_id], reason)
+
+    def fail(self, seqs: list[Sequence]) -> None:
+        """Take failed sequences out of the queues and free their blocks (``ERROR``)."""
+        for seq in seqs:
+            self._finish(seq, FinishReason.ERROR)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
@@ -288,9 +293,8 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING or seq.num_preemptions:
             self._released.append(seq.seq_id)  # the runner holds its sampler state
         seq.status = SequenceStatus.FINISHED
-        seq.request.leave_queue()
-        seq.request.timeline["finished"] = self.clock()
-        seq.request.info["outcome"] = outcome
+        seq.finish_reason = reason
+        del self._live[seq.seq_id]
 
     def _input_of(self, seq: Sequence, num_tokens: int) -> SequenceInput:
         token_ids = seq.next_input_token_ids(num_tokens)

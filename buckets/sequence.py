@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import itertools
 
-from buckets.request import GenerationRequest, TokenEvent
-from models.detokenizer import IncrementalDetokenizer
+from buckets.block_manager import hash_block_tokens
+from buckets.request import GenerationRequest
 
 _seq_ids = itertools.count()
 
@@ -18,13 +18,24 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
-    """Prompt and output tokens of one request, how many are computed, and its detokenizer.
+class FinishReason(enum.Enum):
+    """Why a sequence ended. ``STOP``, ``LENGTH`` and ``TIMEOUT`` are the ``finish_reason`` a
+    client sees (their values); a ``CANCELLED`` or ``ERROR`` sequence ends without one."""
 
-    Owned by the bucket's worker thread.
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    TIMEOUT = "timeout"  # the request's deadline passed
+    CANCELLED = "cancelled"  # Request.cancel(): the client left, or the gateway's own timeout
+    ERROR = "error"  # a failed forward, or the bucket shutting down
+
+
+class Sequence:
+    """Prompt and output tokens of one request, how many are computed, and its prefix-cache keys.
+
+    Owned by the bucket's worker thread; the scheduler changes it, the output stage reads it.
     """
 
-    def __init__(self, request: GenerationRequest, detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int]):
+    def __init__(self, request: GenerationRequest, eos_token_ids: frozenset[int]) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
         self.prompt_token_ids = request.prompt_token_ids
@@ -33,8 +44,9 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_s = 0.0  # when it joined its bucket's queue (seconds, the scheduler's clock)
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
-        self._detokenizer = detokenizer
+        self.finish_reason: FinishReason | None = None  # set by the scheduler when it ends
+        # Chained prefix-cache keys of its full blocks of known tokens (see :meth:`extend_block_hashes`).
+        self.block_hashes: list[int] = []
         self._eos_token_ids = frozenset() if request.ignore_eos else eos_token_ids
 
     @property
@@ -52,46 +64,37 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then outputs (a new list when there are outputs)."""
-        return self.prompt_token_ids + self.output_token_ids if self.output_token_ids else self.prompt_token_ids
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` of prompt then outputs, without joining the two lists."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     def next_input_token_ids(self, num_tokens: int) -> list[int]:
         """The next ``num_tokens`` tokens not yet in the KV cache (a prompt chunk, or the last sampled token)."""
-        return self.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + num_tokens]
+        return self.token_ids_between(self.num_computed_tokens, self.num_computed_tokens + num_tokens)
 
-    def finish_timeout(self) -> TokenEvent:
-        """End a sequence that has outputs because its deadline passed: the last event, with
-        ``finish_reason="timeout"`` and the text held back so far (no new token)."""
-        self.finish_reason = "timeout"
-        text = self._detokenizer.update(self.output_token_ids, is_last=True)
-        return TokenEvent(
-            text=text,
-            token_ids=[],
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_completion_tokens=len(self.output_token_ids),
-        )
+    def extend_block_hashes(self, block_size: int) -> None:
+        """Hash the full blocks of ``block_size`` known tokens not hashed yet, chaining onto
+        :attr:`block_hashes` (:func:`~buckets.block_manager.hash_block_tokens`). Each block is
+        hashed once in the sequence's life: the scheduler calls this when it queues the sequence
+        and after each token it appends, so a sequence that waits many steps is not re-hashed."""
+        for start in range(len(self.block_hashes) * block_size, self.num_tokens - block_size + 1, block_size):
+            parent_hash = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids_between(start, start + block_size)))
 
-    def append_token(self, token_id: int) -> TokenEvent:
-        """Add a sampled token, detect the end (EOS, stop string, ``max_tokens``), and return
-        the event to emit. Sets :attr:`finish_reason` when the sequence ends."""
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a sampled token; return why the sequence must end now (``STOP`` at an
+        end-of-sequence token unless ``ignore_eos``, ``LENGTH`` at ``max_tokens``), else ``None``."""
         self.output_token_ids.append(token_id)
         if token_id in self._eos_token_ids:
-            self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= self.request.max_tokens:
-            self.finish_reason = "length"
-        text = self._detokenizer.update(self.output_token_ids, is_last=self.finish_reason is not None)
-        if self._detokenizer.stopped:
-            self.finish_reason = "stop"
-        return TokenEvent(
-            text=text,
-            token_ids=[token_id],
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_completion_tokens=len(self.output_token_ids),
-        )
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.request.max_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -12,7 +12,6 @@ from buckets.request import EmbeddingRequest, GenerationRequest, RequestEvent
 from buckets.scheduler import Scheduler
 from buckets.sequence import Sequence
 from buckets.settings import ContinuousBatcherSettings
-from models.detokenizer import IncrementalDetokenizer
 
 # The fake tokenizer's end-of-sequence token id; make_sequence stops on it.
 EOS = 0
@@ -101,11 +100,10 @@ def make_requests(num: int, start_token: int = 1, length: int = 2) -> list[Embed
     ]
 
 
-def make_sequence(request: GenerationRequest, tokenizer: FakeTokenizer | None = None) -> Sequence:
-    """``request`` as a scheduler sequence, detokenized by ``tokenizer`` (a fresh
-    :class:`FakeTokenizer` by default), ending on ``EOS``."""
-    detokenizer = IncrementalDetokenizer(tokenizer or FakeTokenizer(), request.stop)
-    return Sequence(request, detokenizer, frozenset({EOS}))
+def make_sequence(request: GenerationRequest) -> Sequence:
+    """``request`` as a scheduler sequence ending on ``EOS`` (its text is the output stage's:
+    :class:`~buckets.output.OutputProcessor`)."""
+    return Sequence(request, frozenset({EOS}))
 
 
 def make_scheduler(

@@ -329,7 +329,6 @@ class ProcessSlice:
             picked = [no for no, entry in self._in_flight.items() if which(entry)]
             entries = [self._take(no) for no in picked]
         for entry in entries:
-            entry.request.info["outcome"] = "error"
             entry.request.emit(ErrorEvent(error))
         return picked
 

@@ -9,7 +9,21 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from buckets.block_manager import BlockManager, BlockManagerStats
+from buckets.block_manager import BlockManager, BlockManagerStats, hash_block_tokens
+
+
+def hashes(bm: BlockManager, token_ids: list[int]) -> list[int]:
+    """The chained keys of the full blocks of ``token_ids`` (what a ``Sequence`` keeps)."""
+    keys: list[int] = []
+    bs = bm.block_size
+    for start in range(0, len(token_ids) - bs + 1, bs):
+        keys.append(hash_block_tokens(keys[-1] if keys else None, token_ids[start : start + bs]))
+    return keys
+
+
+def known(bm: BlockManager, token_ids: list[int]) -> tuple[list[int], int]:
+    """``(block_hashes, num_known_tokens)`` of a sequence whose known tokens are ``token_ids``."""
+    return hashes(bm, token_ids), len(token_ids)
 
 
 def make_block_manager(num_blocks: int = 8, block_size: int = 4, enable_prefix_caching: bool = True) -> BlockManager:
@@ -18,9 +32,9 @@ def make_block_manager(num_blocks: int = 8, block_size: int = 4, enable_prefix_c
 
 def run_prompt(bm: BlockManager, seq_id: int, token_ids: list[int]) -> int:
     """Allocate a prompt, "compute" all of it and commit; returns the cached tokens at allocate."""
-    assert bm.can_allocate(token_ids, len(token_ids))
-    num_cached_tokens = bm.allocate(seq_id, token_ids, len(token_ids))
-    bm.commit(seq_id, token_ids, len(token_ids))
+    assert bm.can_allocate(*known(bm, token_ids), len(token_ids))
+    num_cached_tokens = bm.allocate(seq_id, *known(bm, token_ids), len(token_ids))
+    bm.commit(seq_id, hashes(bm, token_ids), len(token_ids))
     bm.check_invariants()
     return num_cached_tokens
 
@@ -44,7 +58,7 @@ def test_blocks_needed_is_ceil() -> None:
 
 def test_allocate_takes_fresh_blocks() -> None:
     bm = make_block_manager(num_blocks=8, block_size=4)
-    assert bm.allocate(7, list(range(10)), 10) == 0
+    assert bm.allocate(7, *known(bm, list(range(10))), 10) == 0
     assert bm.has_seq(7) and not bm.has_seq(8)
     assert len(bm.block_table(7)) == 3
     assert (bm.num_used_blocks, bm.num_free_blocks, bm.num_evictable_blocks) == (3, 5, 0)
@@ -57,9 +71,9 @@ def test_allocate_takes_fresh_blocks() -> None:
 
 def test_allocate_twice_and_double_free_are_errors() -> None:
     bm = make_block_manager()
-    bm.allocate(1, [1, 2], 2)
+    bm.allocate(1, *known(bm, [1, 2]), 2)
     with pytest.raises(ValueError, match="already allocated"):
-        bm.allocate(1, [1, 2], 2)
+        bm.allocate(1, *known(bm, [1, 2]), 2)
     bm.free(1)
     with pytest.raises(KeyError):
         bm.free(1)
@@ -68,7 +82,7 @@ def test_allocate_twice_and_double_free_are_errors() -> None:
 
 def test_append_grows_across_block_boundary() -> None:
     bm = make_block_manager(num_blocks=4, block_size=4)
-    bm.allocate(1, [1, 2, 3, 4], 4)
+    bm.allocate(1, *known(bm, [1, 2, 3, 4]), 4)
     assert len(bm.block_table(1)) == 1
     bm.append(1, 4)  # already enough: no-op
     assert len(bm.block_table(1)) == 1
@@ -86,12 +100,12 @@ def test_append_grows_across_block_boundary() -> None:
 
 def test_can_allocate_false_when_exhausted_and_allocate_changes_nothing() -> None:
     bm = make_block_manager(num_blocks=3, block_size=4)
-    bm.allocate(1, list(range(8)), 8)
-    assert bm.can_allocate([9] * 4, 4)
-    assert not bm.can_allocate([9] * 5, 5)
+    bm.allocate(1, *known(bm, list(range(8))), 8)
+    assert bm.can_allocate(*known(bm, [9] * 4), 4)
+    assert not bm.can_allocate(*known(bm, [9] * 5), 5)
     before = bm.stats()
     with pytest.raises(AssertionError):
-        bm.allocate(2, [9] * 5, 5)
+        bm.allocate(2, *known(bm, [9] * 5), 5)
     assert not bm.has_seq(2)
     assert bm.stats() == before
     bm.check_invariants()
@@ -99,8 +113,8 @@ def test_can_allocate_false_when_exhausted_and_allocate_changes_nothing() -> Non
 
 def test_free_returns_every_block() -> None:
     bm = make_block_manager(num_blocks=6, block_size=2)
-    bm.allocate(1, [1, 2, 3], 3)
-    bm.allocate(2, [4], 1)
+    bm.allocate(1, *known(bm, [1, 2, 3]), 3)
+    bm.allocate(2, *known(bm, [4]), 1)
     bm.free(1)
     bm.free(2)
     assert (bm.num_used_blocks, bm.num_free_blocks) == (0, 6)
@@ -131,10 +145,10 @@ def test_hits_leave_at_least_one_token_to_compute() -> None:
     bm = make_block_manager(num_blocks=8, block_size=4)
     prompt = list(range(8))
     run_prompt(bm, 1, prompt)
-    assert bm.allocate(2, prompt, 8) == 4  # 8 tokens: only (8 - 1) // 4 = 1 block may hit
-    assert bm.allocate(3, prompt + [8], 9) == 8
-    assert bm.allocate(4, prompt[:1], 1) == 0
-    assert bm.allocate(5, [], 0) == 0 and bm.block_table(5) == []
+    assert bm.allocate(2, *known(bm, prompt), 8) == 4  # 8 tokens: only (8 - 1) // 4 = 1 block may hit
+    assert bm.allocate(3, *known(bm, prompt + [8]), 9) == 8
+    assert bm.allocate(4, *known(bm, prompt[:1]), 1) == 0
+    assert bm.allocate(5, *known(bm, []), 0) == 0 and bm.block_table(5) == []
     bm.check_invariants()
 
 
@@ -142,7 +156,7 @@ def test_allocate_takes_at_least_the_hit_blocks() -> None:
     bm = make_block_manager(num_blocks=8, block_size=2)
     prompt = [1, 2, 3, 4, 5]
     run_prompt(bm, 1, prompt)
-    assert bm.allocate(2, prompt, 1) == 4  # caller asked for 1 position but 2 blocks hit
+    assert bm.allocate(2, *known(bm, prompt), 1) == 4  # caller asked for 1 position but 2 blocks hit
     assert bm.block_table(2) == bm.block_table(1)[:2]
     bm.check_invariants()
 
@@ -150,39 +164,39 @@ def test_allocate_takes_at_least_the_hit_blocks() -> None:
 def test_commit_registers_only_full_computed_blocks() -> None:
     bm = make_block_manager(num_blocks=8, block_size=4)
     prompt = list(range(12))
-    bm.allocate(1, prompt, 12)
-    assert bm.allocate(2, prompt, 12) == 0  # nothing computed yet: nothing cached
+    bm.allocate(1, *known(bm, prompt), 12)
+    assert bm.allocate(2, *known(bm, prompt), 12) == 0  # nothing computed yet: nothing cached
     bm.free(2)
-    bm.commit(1, prompt, 6)  # one full block computed
-    assert bm.allocate(3, prompt, 12) == 4
-    bm.commit(1, prompt + [12], 12)  # all three blocks full; idempotent for block 0
-    assert bm.allocate(4, prompt + [12], 13) == 12
+    bm.commit(1, hashes(bm, prompt), 6)  # one full block computed
+    assert bm.allocate(3, *known(bm, prompt), 12) == 4
+    bm.commit(1, hashes(bm, prompt + [12]), 12)  # all three blocks full; idempotent for block 0
+    assert bm.allocate(4, *known(bm, prompt + [12]), 13) == 12
     bm.check_invariants()
 
 
 def test_commit_rejects_inconsistent_arguments() -> None:
     bm = make_block_manager(num_blocks=8, block_size=4)
-    bm.allocate(1, [1, 2, 3, 4], 4)
-    with pytest.raises(ValueError, match="len\\(token_ids\\)"):
-        bm.commit(1, [1, 2, 3], 4)
+    bm.allocate(1, *known(bm, [1, 2, 3, 4]), 4)
+    with pytest.raises(ValueError, match="block_hashes"):
+        bm.commit(1, hashes(bm, [1, 2, 3]), 4)
     with pytest.raises(ValueError, match="blocks"):
-        bm.commit(1, [1, 2, 3, 4, 5], 5)
+        bm.commit(1, hashes(bm, [1, 2, 3, 4, 5]), 5)
     with pytest.raises(KeyError):
-        bm.commit(2, [1], 1)
+        bm.commit(2, hashes(bm, [1]), 1)
 
 
 def test_duplicate_hash_is_not_registered_twice() -> None:
     bm = make_block_manager(num_blocks=8, block_size=2)
     prompt = [1, 2, 3, 4, 5]
-    bm.allocate(1, prompt, 5)
-    bm.allocate(2, prompt, 5)  # both miss: nothing committed yet
-    bm.commit(1, prompt, 5)
-    bm.commit(2, prompt, 5)  # same hashes: seq 1's blocks keep the mapping
+    bm.allocate(1, *known(bm, prompt), 5)
+    bm.allocate(2, *known(bm, prompt), 5)  # both miss: nothing committed yet
+    bm.commit(1, hashes(bm, prompt), 5)
+    bm.commit(2, hashes(bm, prompt), 5)  # same hashes: seq 1's blocks keep the mapping
     bm.free(1)
     bm.free(2)
     assert bm.num_evictable_blocks == 2  # seq 1's two full blocks only
     assert bm.num_free_blocks == 8
-    assert bm.allocate(3, prompt, 5) == 4
+    assert bm.allocate(3, *known(bm, prompt), 5) == 4
     bm.check_invariants()
 
 
@@ -192,9 +206,9 @@ def test_evictable_hit_leaves_evictable_set_and_counts_in_can_allocate() -> None
     bm.free(1)
     assert (bm.num_free_blocks, bm.num_evictable_blocks) == (3, 1)
     # 7 tokens need 4 blocks; 1 hits, but taking it uses up one of the 3 free blocks.
-    assert not bm.can_allocate([1, 2, 5, 6, 7, 8, 9], 7)
-    assert bm.can_allocate([1, 2, 5, 6, 7], 5)
-    assert bm.allocate(2, [1, 2, 5, 6, 7], 5) == 2
+    assert not bm.can_allocate(*known(bm, [1, 2, 5, 6, 7, 8, 9]), 7)
+    assert bm.can_allocate(*known(bm, [1, 2, 5, 6, 7]), 5)
+    assert bm.allocate(2, *known(bm, [1, 2, 5, 6, 7]), 5) == 2
     assert (bm.num_free_blocks, bm.num_evictable_blocks, bm.num_used_blocks) == (0, 0, 3)
     assert bm.stats().num_evictions == 0
     bm.check_invariants()
@@ -207,15 +221,15 @@ def test_eviction_takes_free_list_first_then_least_recently_freed() -> None:
     bm.free(1)
     bm.free(2)  # LRU order: [1, 1] then [3, 3]
     assert (bm.num_free_blocks, bm.num_evictable_blocks) == (6, 2)
-    bm.allocate(3, [7] * 8, 8)  # 4 free-list blocks: no eviction
+    bm.allocate(3, *known(bm, [7] * 8), 8)  # 4 free-list blocks: no eviction
     assert bm.stats().num_evictions == 0 and bm.num_evictable_blocks == 2
-    bm.allocate(4, [8], 1)  # evicts [1, 1], the least recently freed
+    bm.allocate(4, *known(bm, [8]), 1)  # evicts [1, 1], the least recently freed
     assert bm.stats().num_evictions == 1
-    assert not bm.can_allocate([3, 3, 9], 3)  # the hit on [3, 3] would take the last free block
+    assert not bm.can_allocate(*known(bm, [3, 3, 9]), 3)  # the hit on [3, 3] would take the last free block
     bm.free(4)
     bm.free(3)
-    assert bm.allocate(5, [1, 1, 9], 3) == 0  # [1, 1] is gone
-    assert bm.allocate(6, [3, 3, 9], 3) == 2  # [3, 3] survived
+    assert bm.allocate(5, *known(bm, [1, 1, 9]), 3) == 0  # [1, 1] is gone
+    assert bm.allocate(6, *known(bm, [3, 3, 9]), 3) == 2  # [3, 3] survived
     assert bm.stats().num_evictions == 1
     bm.check_invariants()
 
@@ -226,14 +240,14 @@ def test_hit_refreshes_lru_position() -> None:
     run_prompt(bm, 2, [3, 3, 4])
     bm.free(1)
     bm.free(2)  # LRU: [1, 1], [3, 3]
-    assert bm.allocate(3, [1, 1, 5], 3) == 2  # take [1, 1] back ...
+    assert bm.allocate(3, *known(bm, [1, 1, 5]), 3) == 2  # take [1, 1] back ...
     assert bm.num_evictable_blocks == 1
     bm.free(3)  # ... and free it again: LRU now [3, 3], [1, 1]
-    bm.allocate(4, [9] * 6, 6)  # 2 free-list blocks, then evicts [3, 3]
+    bm.allocate(4, *known(bm, [9] * 6), 6)  # 2 free-list blocks, then evicts [3, 3]
     assert bm.stats().num_evictions == 1
     bm.free(4)
-    assert bm.allocate(5, [1, 1, 9], 3) == 2
-    assert bm.allocate(6, [3, 3, 9], 3) == 0
+    assert bm.allocate(5, *known(bm, [1, 1, 9]), 3) == 2
+    assert bm.allocate(6, *known(bm, [3, 3, 9]), 3) == 0
     bm.check_invariants()
 
 
@@ -243,10 +257,10 @@ def test_free_in_reverse_order_keeps_prefix_head_longest() -> None:
     run_prompt(bm, 1, prompt)  # 4 blocks, the first 3 full and cached
     bm.free(1)
     assert bm.num_evictable_blocks == 3
-    bm.allocate(2, [9, 9, 9], 3)  # free-list block, then evicts the tail cached block
+    bm.allocate(2, *known(bm, [9, 9, 9]), 3)  # free-list block, then evicts the tail cached block
     assert bm.stats().num_evictions == 1
     bm.free(2)
-    assert bm.allocate(3, prompt, 7) == 4  # the two head blocks survive
+    assert bm.allocate(3, *known(bm, prompt), 7) == 4  # the two head blocks survive
     bm.check_invariants()
 
 
@@ -263,6 +277,18 @@ def test_disabled_prefix_caching_never_hashes() -> None:
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_cache_hit_rate) == (0, 0, 0.0)
 
 
+def test_the_manager_never_hashes_tokens_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    bm = make_block_manager(num_blocks=8, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    keys = hashes(bm, prompt)
+    monkeypatch.setattr("buckets.block_manager.hash_block_tokens", lambda *args: pytest.fail("hashed tokens"))
+    assert bm.can_allocate(keys, len(prompt), 5)
+    assert bm.allocate(1, keys, len(prompt), 5) == 0
+    bm.commit(1, keys, 5)
+    assert bm.num_cached_prefix_tokens(keys, len(prompt)) == 4
+    assert bm.allocate(2, keys, len(prompt), 5) == 4
+
+
 def test_stats_is_a_frozen_snapshot() -> None:
     bm = make_block_manager(num_blocks=4)
     stats = bm.stats()
@@ -270,7 +296,7 @@ def test_stats_is_a_frozen_snapshot() -> None:
     assert stats.prefix_cache_hit_rate == 0.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.num_blocks = 5  # type: ignore[misc]
-    bm.allocate(1, [1], 1)
+    bm.allocate(1, *known(bm, [1]), 1)
     assert stats.num_used_blocks == 0 and bm.stats().num_used_blocks == 1
 
 
@@ -307,12 +333,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def admit(self, token_ids: list[int], extra_tokens: int) -> None:
         num_tokens = max(1, len(token_ids) + extra_tokens)  # < len: a chunked prefill
         seq_id, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
-        if not self.bm.can_allocate(token_ids, num_tokens):
+        if not self.bm.can_allocate(*known(self.bm, token_ids), num_tokens):
             with pytest.raises(AssertionError):
-                self.bm.allocate(seq_id, token_ids, num_tokens)
+                self.bm.allocate(seq_id, *known(self.bm, token_ids), num_tokens)
             assert not self.bm.has_seq(seq_id)
             return
-        num_cached_tokens = self.bm.allocate(seq_id, token_ids, num_tokens)
+        num_cached_tokens = self.bm.allocate(seq_id, *known(self.bm, token_ids), num_tokens)
         bs = self.bm.block_size
         num_hits = num_cached_tokens // bs
         assert num_cached_tokens % bs == 0 and num_cached_tokens < len(token_ids)
@@ -338,7 +364,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tokens = self.tokens[seq_id]
         tokens.extend([sampled] * (num_computed + 1 - len(tokens)))  # decode: one token past the computed
         old_num_full = self.num_computed[seq_id] // self.bm.block_size
-        self.bm.commit(seq_id, tokens, num_computed)
+        self.bm.commit(seq_id, hashes(self.bm, tokens), num_computed)
         self.num_computed[seq_id] = num_computed
         bs = self.bm.block_size
         table = self.bm.block_table(seq_id)

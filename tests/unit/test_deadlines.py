@@ -14,9 +14,9 @@ from policies.admission import BusyDrainRate
 from policies.deadlines import (
     TimeoutOverCapError, can_meet_deadline, expected_wait_s, is_expired, resolve_timeout_s,
 )
-from tests.unit.test_scheduler import (
-    FakeClock, FakeRunner, Recorder, events_of, make_batcher, make_request, make_scheduler, make_sequence, run_step,
-)
+from buckets.sequence import FinishReason
+from tests.factories import FakeClock, Recorder, events_of, make_request, make_sequence
+from tests.unit.test_scheduler import FakeRunner, make_batcher, make_core, run_step
 
 
 # --- policy -----------------------------------------------------------------------------------
@@ -99,68 +99,85 @@ def test_busy_drain_rate_leaves_idle_time_out_and_counts_a_stuck_queue_as_slow()
 
 
 def test_a_queued_sequence_past_its_deadline_gets_an_error_and_never_runs() -> None:
-    scheduler = make_scheduler(max_num_seqs=1)
-    clock = scheduler.clock
+    core = make_core(max_num_seqs=1)
+    clock = core.scheduler.clock
     assert isinstance(clock, FakeClock)
     running = make_sequence(make_request(4, max_tokens=50, name="running"))
     late = make_request(4, max_tokens=5, name="late")
     late.deadline_s = 2.0
     queued = make_sequence(late)
-    scheduler.add(running)
-    scheduler.add(queued)
-    run_step(scheduler)
+    core.add(running)
+    core.add(queued)
+    run_step(core)
     clock.now = 1.9
-    assert scheduler.drop_expired(clock.now) == []
-    run_step(scheduler)
+    assert core.drop_ended(clock.now) == []
+    run_step(core)
     clock.now = 2.0
-    assert scheduler.drop_expired(clock.now) == [queued]
+    assert core.drop_ended(clock.now) == [queued]
     [event] = events_of(late)
     assert isinstance(event, ErrorEvent) and isinstance(event.error, DeadlineExceededError)
-    assert late.info["outcome"] == "timeout"
-    assert queued not in scheduler.waiting
-    assert all(queued.seq_id != s.seq_id for s in scheduler.schedule().forward.sequences)
+    assert queued.finish_reason is FinishReason.TIMEOUT
+    assert queued not in core.scheduler.waiting
+    assert all(queued.seq_id != s.seq_id for s in core.schedule().forward.sequences)
 
 
 def test_a_running_sequence_past_its_deadline_ends_with_timeout_and_frees_its_blocks() -> None:
-    scheduler = make_scheduler()
-    clock = scheduler.clock
+    core = make_core()
+    clock = core.scheduler.clock
     assert isinstance(clock, FakeClock)
     request = make_request(6, max_tokens=50, name="slow")
     request.deadline_s = 5.0
     seq = make_sequence(request)
     other = make_sequence(make_request(3, max_tokens=50, name="other"))
-    scheduler.add(seq)
-    scheduler.add(other)
+    core.add(seq)
+    core.add(other)
     for _ in range(3):
-        run_step(scheduler)
-    used_before = scheduler.block_manager.stats().num_used_blocks
+        run_step(core)
+    used_before = core.scheduler.block_manager.stats().num_used_blocks
     clock.now = 5.0
-    assert scheduler.drop_expired(clock.now) == [seq]
+    assert core.drop_ended(clock.now) == [seq]
     events = events_of(request)
     assert [e.finish_reason for e in events if isinstance(e, TokenEvent)] == [None, None, None, "timeout"]
     last = events[-1]
     assert isinstance(last, TokenEvent) and last.token_ids == [] and last.num_completion_tokens == 3
-    assert scheduler.block_manager.stats().num_used_blocks < used_before
-    assert scheduler.running == [other]
-    assert request.info["outcome"] == "timeout"
-    scheduler.block_manager.check_invariants()
+    assert core.scheduler.block_manager.stats().num_used_blocks < used_before
+    assert core.scheduler.running == [other]
+    assert seq.finish_reason is FinishReason.TIMEOUT
+    core.scheduler.block_manager.check_invariants()
+
+
+def test_a_timeout_releases_the_text_held_back_for_stop_strings() -> None:
+    core = make_core()
+    clock = core.scheduler.clock
+    assert isinstance(clock, FakeClock)
+    request = make_request(2, max_tokens=50, stop=("XYZ",), name="held")
+    request.deadline_s = 1.0
+    core.add(make_sequence(request))
+    for token_id in (1, 2, 3):  # 'b', 'c', 'd'; the last 2 characters stay held for "XYZ"
+        run_step(core, token_id=token_id)
+    assert "".join(e.text for e in events_of(request) if isinstance(e, TokenEvent)) == "b"
+    clock.now = 1.0
+    core.drop_ended()
+    last = events_of(request)[-1]
+    assert isinstance(last, TokenEvent) and last.finish_reason == "timeout" and last.text == "cd"
+    assert request.timeline["finished"] == 1.0
 
 
 def test_a_sequence_in_prefill_past_its_deadline_gets_an_error() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=4)
-    clock = scheduler.clock
+    core = make_core(max_num_batched_tokens=4)
+    clock = core.scheduler.clock
     assert isinstance(clock, FakeClock)
     request = make_request(20, max_tokens=4, name="long")
     request.deadline_s = 1.0
     seq = make_sequence(request)
-    scheduler.add(seq)
-    run_step(scheduler)  # the first chunk of 4 of its 20 prompt tokens
-    assert scheduler.block_manager.stats().num_used_blocks > 0
+    core.add(seq)
+    run_step(core)  # the first chunk of 4 of its 20 prompt tokens
+    assert core.scheduler.block_manager.stats().num_used_blocks > 0
     clock.now = 1.5
-    assert scheduler.drop_expired(clock.now) == [seq]
+    assert core.drop_ended(clock.now) == [seq]
     [event] = events_of(request)
     assert isinstance(event, ErrorEvent) and isinstance(event.error, DeadlineExceededError)
-    assert scheduler.block_manager.stats().num_used_blocks == 0
+    assert core.scheduler.block_manager.stats().num_used_blocks == 0
 
 
 def test_the_batcher_counts_timeouts_and_tells_the_runner_to_release() -> None:

@@ -129,6 +129,31 @@ def test_byte_fallback_style_replacement_runs_are_held_back() -> None:
         assert "".join(deltas) == "x😀y"
 
 
+class CountingTokenizer(ByteTokenizer):
+    """Records how many ids each ``decode`` call gets."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        super().__init__(pieces)
+        self.window_sizes: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False) -> str:
+        self.window_sizes.append(len(ids))
+        return super().decode(ids, skip_special_tokens, clean_up_tokenization_spaces)
+
+
+def test_each_update_decodes_a_window_of_a_few_tokens_whatever_the_output_length() -> None:
+    euro = "€".encode()
+    pieces = [b"word ", euro[:1], euro[1:], b"x", euro[2:]] * 200  # 1,000 tokens with split characters
+    tokenizer = CountingTokenizer(pieces)
+    detokenizer = IncrementalDetokenizer(tokenizer, ("STOP",))
+    ids: list[int] = []
+    for i in range(len(pieces)):
+        ids.append(i)
+        detokenizer.update(ids, is_last=i == len(pieces) - 1)
+    assert max(tokenizer.window_sizes) <= 4
+    assert detokenizer.text == b"".join(pieces).decode("utf-8", errors="replace")
+
+
 def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
     return [data[a:b] for a, b in zip(points, points[1:])]
@@ -183,3 +208,107 @@ def test_stop_string_ending_in_a_split_multibyte_character_is_not_released_early
 @given(text=TEXT, cuts=CUTS, stop=st.lists(st.text(alphabet="ab €S", min_size=1, max_size=3), max_size=2))
 def test_any_token_split_with_unicode_stop_strings(text: str, cuts: list[int], stop: list[str]) -> None:
     check_stream(text, cuts, stop)
+
+
+# --- the real tokenizer: windowed deltas against a whole decode -----------------------------
+
+
+class WholeDecodeDetokenizer:
+    """The reference: decode every output token on each update (the detokenizer before the
+    window), release the new suffix, hold back incomplete characters and stop-string prefixes."""
+
+    def __init__(self, tokenizer: object, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.hold_chars = max((len(s) for s in self.stop), default=1) - 1
+        self.released = 0
+        self.stopped = False
+
+    def update(self, ids: list[int], is_last: bool) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
+        hits = [i for i in (text.find(s, max(0, self.released - self.hold_chars)) for s in self.stop) if i >= 0]
+        if hits:
+            text, self.stopped = text[: min(hits)], True
+        end = len(text)
+        if not (is_last or self.stopped):
+            while end > self.released and text[end - 1] == REPLACEMENT_CHAR:
+                end -= 1
+            end -= self.hold_chars
+        if end <= self.released:
+            return ""
+        delta, self.released = text[self.released : end], end
+        return delta
+
+
+def feed(detokenizer: IncrementalDetokenizer | WholeDecodeDetokenizer, ids: list[int]) -> list[str]:
+    """Deltas of feeding ``ids`` one at a time, stopping after a stop string is found."""
+    deltas = []
+    for count in range(1, len(ids) + 1):
+        deltas.append(detokenizer.update(ids[:count], is_last=count == len(ids)))
+        if detokenizer.stopped:
+            break
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[object, list[int], list[int]]:
+    """The real SmolLM2 tokenizer (byte-level BPE, fast), the ids of its special tokens, and the
+    ids of tokens holding part of a multi-byte character (they decode alone to U+FFFD)."""
+    from bench.output_stage import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    assert tokenizer.is_fast
+    special_ids = sorted(set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder))
+    partial_ids = [i for i in range(tokenizer.vocab_size) if REPLACEMENT_CHAR in tokenizer.decode([i])]
+    assert partial_ids
+    return tokenizer, special_ids, partial_ids
+
+
+def token_ids_of(smollm2: tuple[object, list[int], list[int]]) -> st.SearchStrategy[list[int]]:
+    tokenizer, special_ids, partial_ids = smollm2
+    one_id = st.one_of(
+        st.integers(min_value=0, max_value=tokenizer.vocab_size - 1),  # type: ignore[attr-defined]
+        st.sampled_from(special_ids),
+        st.sampled_from(partial_ids),
+    )
+    return st.lists(one_id, min_size=1, max_size=48)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_windowed_deltas_equal_a_whole_decode_on_the_real_tokenizer(
+    smollm2: tuple[object, list[int], list[int]], data: st.DataObject
+) -> None:
+    tokenizer = smollm2[0]
+    ids = data.draw(token_ids_of(smollm2))
+    whole = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
+    deltas = feed(IncrementalDetokenizer(tokenizer), ids)
+    assert "".join(deltas) == whole
+    assert deltas == feed(WholeDecodeDetokenizer(tokenizer, ()), ids)
+    released = ""
+    for delta in deltas[:-1]:
+        released += delta
+        assert whole.startswith(released)  # never half a character that a later token completes
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_windowed_deltas_with_stop_strings_equal_a_whole_decode_on_the_real_tokenizer(
+    smollm2: tuple[object, list[int], list[int]], data: st.DataObject
+) -> None:
+    tokenizer = smollm2[0]
+    ids = data.draw(token_ids_of(smollm2))
+    whole = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
+    stop = [data.draw(st.text(min_size=1, max_size=3))]
+    if whole:  # a stop string taken from the text, so that most examples hit one
+        start = data.draw(st.integers(min_value=0, max_value=len(whole) - 1))
+        stop.append(whole[start : start + data.draw(st.integers(min_value=1, max_value=4))])
+    windowed = IncrementalDetokenizer(tokenizer, tuple(stop))
+    reference = WholeDecodeDetokenizer(tokenizer, tuple(stop))
+    deltas = feed(windowed, ids)
+    assert deltas == feed(reference, ids)
+    assert windowed.stopped == reference.stopped
+    text = "".join(deltas)
+    assert windowed.text == text
+    assert all(s not in text for s in stop if REPLACEMENT_CHAR not in s)
+    assert whole.startswith(text)

@@ -6,101 +6,50 @@ from types import SimpleNamespace
 
 import pytest
 
-from buckets.block_manager import BlockManager
 from buckets.continuous import ContinuousBatcher
 from buckets.errors import BatchFailedError, KVCapacityError, ShuttingDownError
-from buckets.request import ErrorEvent, GenerationRequest, RequestEvent, TokenEvent
+from buckets.request import ErrorEvent, TokenEvent
+from buckets.output import OutputProcessor
 from buckets.scheduler import Scheduler, StepPlan
-from buckets.sequence import Sequence, SequenceStatus
+from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
-from models.detokenizer import IncrementalDetokenizer
 from models.step_io import ForwardInput, ForwardOutput
+from tests.factories import EOS, FakeClock, FakeTokenizer, events_of, make_request, make_scheduler, make_sequence
 
-EOS = 0
+class Core:
+    """A scheduler and its output stage, wired as the continuous batcher wires them (no model)."""
 
+    def __init__(self, scheduler: Scheduler, tokenizer: FakeTokenizer) -> None:
+        self.scheduler = scheduler
+        self.output = OutputProcessor(scheduler, tokenizer, scheduler.clock)
 
-class FakeClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.output.add(seq)
 
-    def __call__(self) -> float:
-        return self.now
+    def schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        self.output.record_plan(plan)
+        return plan
 
+    def postprocess(self, plan: StepPlan, output: ForwardOutput) -> list[Sequence]:
+        """Postprocess and output; the sequences that ended."""
+        return self.output.process(self.scheduler.postprocess(plan, output))
 
-class FakeTokenizer:
-    """Token ``i`` decodes to ``pieces[i]`` if given, else to the letter ``chr(ord('a') + i % 26)``.
-
-    ``EOS`` is special and dropped with ``skip_special_tokens``.
-    """
-
-    def __init__(self, pieces: dict[int, str] | None = None) -> None:
-        self.pieces = pieces or {}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
-        out = []
-        for i in ids:
-            if i == EOS:
-                if not skip_special_tokens:
-                    out.append("</s>")
-                continue
-            out.append(self.pieces.get(i, chr(ord("a") + i % 26)))
-        return "".join(out)
+    def drop_ended(self, now: float | None = None) -> list[Sequence]:
+        """Drop cancelled and expired sequences (at ``now``, default the clock) and tell their clients."""
+        return self.output.process(self.scheduler.drop_ended(self.scheduler.clock() if now is None else now))
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[RequestEvent] = []
-
-    def __call__(self, event: RequestEvent) -> None:
-        self.events.append(event)
+def make_core(tokenizer: FakeTokenizer | None = None, **scheduler_args: int | bool) -> Core:
+    return Core(make_scheduler(**scheduler_args), tokenizer or FakeTokenizer())  # type: ignore[arg-type]
 
 
-def make_request(
-    prompt_len: int = 4,
-    max_tokens: int = 4,
-    stop: tuple[str, ...] = (),
-    ignore_eos: bool = False,
-    name: str = "r",
-    priority: int = 0,
-    first_token: int = 1,
-) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=name,
-        priority=priority,
-        prompt_token_ids=list(range(first_token, first_token + prompt_len)),
-        sink=Recorder(),
-        max_tokens=max_tokens,
-        stop=stop,
-        ignore_eos=ignore_eos,
-    )
-
-
-def make_sequence(request: GenerationRequest, tokenizer: FakeTokenizer | None = None) -> Sequence:
-    detokenizer = IncrementalDetokenizer(tokenizer or FakeTokenizer(), request.stop)
-    return Sequence(request, detokenizer, frozenset({EOS}))
-
-
-def make_scheduler(
-    max_num_seqs: int = 4,
-    max_num_batched_tokens: int = 64,
-    num_blocks: int = 64,
-    block_size: int = 4,
-    enable_prefix_caching: bool = True,
-) -> Scheduler:
-    settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching)
-    return Scheduler(settings, BlockManager(num_blocks, block_size, enable_prefix_caching), FakeClock())
-
-
-def add_sequences(scheduler: Scheduler, *prompt_lens: int, max_tokens: int = 4) -> list[Sequence]:
+def add_sequences(core: Core, *prompt_lens: int, max_tokens: int = 4) -> list[Sequence]:
     seqs = [make_sequence(make_request(n, max_tokens, name=f"r{i}")) for i, n in enumerate(prompt_lens)]
     for seq in seqs:
-        scheduler.add(seq)
+        core.add(seq)
     return seqs
-
-
-def events_of(request: GenerationRequest) -> list[RequestEvent]:
-    assert isinstance(request.sink, Recorder)
-    return request.sink.events
 
 
 def sample_all(plan: StepPlan, token_id: int = 7) -> ForwardOutput:
@@ -108,19 +57,20 @@ def sample_all(plan: StepPlan, token_id: int = 7) -> ForwardOutput:
     return ForwardOutput({s.seq_id: token_id for s in plan.forward.sequences if s.do_sample})
 
 
-def run_step(scheduler: Scheduler, token_id: int = 7) -> tuple[StepPlan, list[Sequence]]:
-    scheduler.drop_cancelled()
-    plan = scheduler.schedule()
-    return plan, scheduler.postprocess(plan, sample_all(plan, token_id))
+def run_step(core: Core, token_id: int = 7) -> tuple[StepPlan, list[Sequence]]:
+    """One step as the batcher runs it: drop ended, schedule, postprocess, output."""
+    core.drop_ended()
+    plan = core.schedule()
+    return plan, core.postprocess(plan, sample_all(plan, token_id))
 
 
 # --- scheduling -----------------------------------------------------------------------------
 
 
 def test_first_step_prefills_the_whole_prompt() -> None:
-    scheduler = make_scheduler()
-    (seq,) = add_sequences(scheduler, 5)
-    plan = scheduler.schedule()
+    core = make_core()
+    (seq,) = add_sequences(core, 5)
+    plan = core.schedule()
     (inp,) = plan.forward.sequences
     assert plan.scheduled == [seq]
     assert inp.seq_id == seq.seq_id
@@ -132,11 +82,11 @@ def test_first_step_prefills_the_whole_prompt() -> None:
 
 
 def test_running_decodes_are_scheduled_before_new_prompts() -> None:
-    scheduler = make_scheduler()
-    (first,) = add_sequences(scheduler, 3)
-    run_step(scheduler, token_id=9)
-    (second,) = add_sequences(scheduler, 2)
-    plan = scheduler.schedule()
+    core = make_core()
+    (first,) = add_sequences(core, 3)
+    run_step(core, token_id=9)
+    (second,) = add_sequences(core, 2)
+    plan = core.schedule()
     assert plan.scheduled == [first, second]
     decode, prefill = plan.forward.sequences
     assert decode.token_ids == [9] and decode.position == 3
@@ -144,73 +94,73 @@ def test_running_decodes_are_scheduled_before_new_prompts() -> None:
 
 
 def test_prompts_are_admitted_while_the_token_budget_allows() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=10)
-    a, b, c = add_sequences(scheduler, 4, 4, 4)
-    plan, _ = run_step(scheduler)
+    core = make_core(max_num_batched_tokens=10)
+    a, b, c = add_sequences(core, 4, 4, 4)
+    plan, _ = run_step(core)
     # 4 + 4 tokens, then c's first chunk takes the 2 left.
     assert plan.scheduled == [a, b, c]
     assert [len(s.token_ids) for s in plan.forward.sequences] == [4, 4, 2]
     assert [s.do_sample for s in plan.forward.sequences] == [True, True, False]
-    plan, _ = run_step(scheduler)
+    plan, _ = run_step(core)
     assert plan.scheduled == [a, b, c]  # 2 decode tokens + c's last 2 prompt tokens
     assert plan.forward.sequences[2].token_ids == [3, 4] and plan.forward.sequences[2].position == 2
     assert plan.forward.num_tokens == 4
 
 
 def test_a_prompt_exactly_filling_the_budget_is_admitted() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=8)
-    a, b = add_sequences(scheduler, 5, 3)
-    plan = scheduler.schedule()
+    core = make_core(max_num_batched_tokens=8)
+    a, b = add_sequences(core, 5, 3)
+    plan = core.schedule()
     assert plan.scheduled == [a, b]
-    assert scheduler.counters.num_chunked_prefills == 0
+    assert core.scheduler.counters.num_chunked_prefills == 0
 
 
 def test_no_budget_left_keeps_later_prompts_waiting_fcfs() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=10)
-    a, b, c = add_sequences(scheduler, 6, 6, 1)
-    plan = scheduler.schedule()
+    core = make_core(max_num_batched_tokens=10)
+    a, b, c = add_sequences(core, 6, 6, 1)
+    plan = core.schedule()
     # b's first chunk takes the 4 tokens left; c, behind it, waits.
     assert plan.scheduled == [a, b]
-    assert list(scheduler.waiting) == [c]
+    assert list(core.scheduler.waiting) == [c]
 
 
 def test_max_num_seqs_bounds_the_running_set() -> None:
-    scheduler = make_scheduler(max_num_seqs=2)
-    a, b, c = add_sequences(scheduler, 1, 1, 1, max_tokens=2)
-    plan, _ = run_step(scheduler)
+    core = make_core(max_num_seqs=2)
+    a, b, c = add_sequences(core, 1, 1, 1, max_tokens=2)
+    plan, _ = run_step(core)
     assert plan.scheduled == [a, b]
-    plan, finished = run_step(scheduler)
+    plan, finished = run_step(core)
     assert plan.scheduled == [a, b]
     assert finished == [a, b]
-    plan, _ = run_step(scheduler)
+    plan, _ = run_step(core)
     assert plan.scheduled == [c]
 
 
 def test_step_ids_increase_and_are_recorded_on_requests() -> None:
-    scheduler = make_scheduler()
-    a, b = add_sequences(scheduler, 2, 2)
-    first, _ = run_step(scheduler)
-    second, _ = run_step(scheduler)
+    core = make_core()
+    a, b = add_sequences(core, 2, 2)
+    first, _ = run_step(core)
+    second, _ = run_step(core)
     assert second.step_id == first.step_id + 1
     assert a.request.batches == [(first.step_id, 0), (second.step_id, 0)]
     assert b.request.batches == [(first.step_id, 1), (second.step_id, 1)]
 
 
 def test_empty_scheduler_plans_an_empty_step() -> None:
-    scheduler = make_scheduler()
-    assert not scheduler.has_work
-    assert scheduler.schedule().is_empty
+    core = make_core()
+    assert not core.scheduler.has_work
+    assert core.schedule().is_empty
 
 
 # --- postprocess ----------------------------------------------------------------------------
 
 
 def test_generation_ends_at_max_tokens_with_length() -> None:
-    scheduler = make_scheduler()
-    (seq,) = add_sequences(scheduler, 3, max_tokens=3)
+    core = make_core()
+    (seq,) = add_sequences(core, 3, max_tokens=3)
     finished: list[Sequence] = []
     for _ in range(3):
-        _, finished = run_step(scheduler, token_id=2)  # 'c'
+        _, finished = run_step(core, token_id=2)  # 'c'
     assert finished == [seq]
     assert seq.output_token_ids == [2, 2, 2]
     events = events_of(seq.request)
@@ -220,15 +170,15 @@ def test_generation_ends_at_max_tokens_with_length() -> None:
     assert events[-1].num_completion_tokens == 3  # type: ignore[union-attr]
     assert events[-1].num_prompt_tokens == 3  # type: ignore[union-attr]
     assert seq.status is SequenceStatus.FINISHED
-    assert seq.request.info["outcome"] == "length"
-    assert not scheduler.running and not scheduler.waiting
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert not core.scheduler.running and not core.scheduler.waiting
 
 
 def test_eos_ends_generation_with_stop() -> None:
-    scheduler = make_scheduler()
-    (seq,) = add_sequences(scheduler, 2, max_tokens=10)
-    run_step(scheduler, token_id=3)
-    _, finished = run_step(scheduler, token_id=EOS)
+    core = make_core()
+    (seq,) = add_sequences(core, 2, max_tokens=10)
+    run_step(core, token_id=3)
+    _, finished = run_step(core, token_id=EOS)
     assert finished == [seq]
     last = events_of(seq.request)[-1]
     assert isinstance(last, TokenEvent)
@@ -238,40 +188,76 @@ def test_eos_ends_generation_with_stop() -> None:
 
 
 def test_ignore_eos_generates_through_eos_until_length() -> None:
-    scheduler = make_scheduler()
+    core = make_core()
     seq = make_sequence(make_request(2, max_tokens=3, ignore_eos=True))
-    scheduler.add(seq)
+    core.add(seq)
     finished: list[Sequence] = []
     for _ in range(3):
-        _, finished = run_step(scheduler, token_id=EOS)
+        _, finished = run_step(core, token_id=EOS)
     assert finished == [seq]
     assert seq.output_token_ids == [EOS, EOS, EOS]
     assert [e.finish_reason for e in events_of(seq.request)] == [None, None, "length"]  # type: ignore[union-attr]
 
 
 def test_stop_string_ends_generation_and_is_not_returned() -> None:
-    scheduler = make_scheduler()
-    tokenizer = FakeTokenizer({10: "Hi", 11: " ST", 12: "OP", 13: "!"})
-    seq = make_sequence(make_request(2, max_tokens=10, stop=("STOP",)), tokenizer)
-    scheduler.add(seq)
+    core = make_core(FakeTokenizer({10: "Hi", 11: " ST", 12: "OP", 13: "!"}))
+    seq = make_sequence(make_request(2, max_tokens=10, stop=("STOP",)))
+    core.add(seq)
     finished: list[Sequence] = []
     for token in (10, 11, 12):
-        _, finished = run_step(scheduler, token_id=token)
+        _, finished = run_step(core, token_id=token)
     assert finished == [seq]
     events = events_of(seq.request)
     assert events[-1].finish_reason == "stop"  # type: ignore[union-attr]
     assert "".join(e.text for e in events) == "Hi "  # type: ignore[union-attr]
+    # The stop string finished it through the scheduler: out of the running set, blocks freed.
+    assert seq.finish_reason is FinishReason.STOP and seq.status is SequenceStatus.FINISHED
+    assert not core.scheduler.running and core.scheduler.block_manager.num_used_blocks == 0
+    assert core.schedule().forward.released_seq_ids == [seq.seq_id]
+
+
+def test_a_stop_string_in_the_last_allowed_token_still_reports_stop() -> None:
+    core = make_core(FakeTokenizer({10: "Hi", 11: " STOP"}))
+    seq = make_sequence(make_request(2, max_tokens=2, stop=("STOP",)))
+    core.add(seq)
+    run_step(core, token_id=10)
+    _, finished = run_step(core, token_id=11)
+    assert finished == [seq]
+    events = events_of(seq.request)
+    assert [e.finish_reason for e in events] == [None, "stop"]  # type: ignore[union-attr]
+    assert "".join(e.text for e in events) == "Hi "  # type: ignore[union-attr]
+
+
+def test_the_output_stage_stamps_the_timeline_and_postprocess_emits_nothing() -> None:
+    core = make_core()
+    (seq,) = add_sequences(core, 2, max_tokens=1)
+    clock = core.scheduler.clock
+    assert isinstance(clock, FakeClock)
+    clock.now = 1.0
+    plan = core.scheduler.schedule()
+    assert seq.request.timeline == {} and seq.request.batches == []
+    core.output.record_plan(plan)
+    assert seq.request.timeline == {"started": 1.0} and seq.request.batches == [(plan.step_id, 0)]
+    clock.now = 2.0
+    result = core.scheduler.postprocess(plan, sample_all(plan))
+    assert result.new_token_ids == {seq.seq_id: [7]}
+    assert result.finished == {seq.seq_id: FinishReason.LENGTH}
+    assert events_of(seq.request) == [] and "finished" not in seq.request.timeline
+    assert core.output.process(result) == [seq]
+    assert seq.request.timeline == {"started": 1.0, "first_token": 2.0, "finished": 2.0}
+    (event,) = events_of(seq.request)
+    assert isinstance(event, TokenEvent) and event.finish_reason == "length" and event.text == "h"
 
 
 def test_first_token_time_is_stamped_once() -> None:
-    scheduler = make_scheduler()
-    (seq,) = add_sequences(scheduler, 2)
-    clock = scheduler.clock
+    core = make_core()
+    (seq,) = add_sequences(core, 2)
+    clock = core.scheduler.clock
     assert isinstance(clock, FakeClock)
     clock.now = 1.0
-    run_step(scheduler)
+    run_step(core)
     clock.now = 2.0
-    run_step(scheduler)
+    run_step(core)
     assert seq.request.timeline["first_token"] == 1.0
 
 
@@ -279,39 +265,42 @@ def test_first_token_time_is_stamped_once() -> None:
 
 
 def test_finished_sequence_is_released_exactly_once() -> None:
-    scheduler = make_scheduler()
-    (seq,) = add_sequences(scheduler, 2, max_tokens=1)
-    _, finished = run_step(scheduler)
+    core = make_core()
+    (seq,) = add_sequences(core, 2, max_tokens=1)
+    _, finished = run_step(core)
     assert finished == [seq]
-    assert scheduler.has_work  # the release still has to reach the runner
-    releases = [scheduler.schedule().forward.released_seq_ids for _ in range(3)]
+    assert core.scheduler.has_work  # the release still has to reach the runner
+    releases = [core.schedule().forward.released_seq_ids for _ in range(3)]
     assert releases == [[seq.seq_id], [], []]
-    assert not scheduler.has_work
+    assert not core.scheduler.has_work
 
 
 def test_cancelled_running_sequence_is_dropped_and_released_once() -> None:
-    scheduler = make_scheduler()
-    a, b = add_sequences(scheduler, 2, 2, max_tokens=10)
-    run_step(scheduler)
+    core = make_core()
+    a, b = add_sequences(core, 2, 2, max_tokens=10)
+    run_step(core)
     a.request.cancel()
-    dropped = scheduler.drop_cancelled()
-    assert dropped == [a]
-    assert a.request.info["outcome"] == "cancelled"
-    plan = scheduler.schedule()
+    num_events = len(events_of(a.request))
+    result = core.scheduler.drop_ended(core.scheduler.clock())
+    assert result.finished == {a.seq_id: FinishReason.CANCELLED} and not result.new_token_ids
+    assert core.output.process(result) == [a]
+    assert len(events_of(a.request)) == num_events  # nothing emitted: the canceller answers
+    assert a.finish_reason is FinishReason.CANCELLED
+    plan = core.schedule()
     assert plan.scheduled == [b]
     assert plan.forward.released_seq_ids == [a.seq_id]
-    scheduler.postprocess(plan, sample_all(plan))
-    assert scheduler.drop_cancelled() == []  # not dropped twice
-    later = [scheduler.schedule().forward.released_seq_ids for _ in range(2)]
+    core.postprocess(plan, sample_all(plan))
+    assert core.drop_ended() == []  # not dropped twice
+    later = [core.schedule().forward.released_seq_ids for _ in range(2)]
     assert later == [[], []]
 
 
 def test_cancelled_waiting_sequence_is_dropped_and_never_scheduled() -> None:
-    scheduler = make_scheduler()
-    a, b = add_sequences(scheduler, 2, 2)
+    core = make_core()
+    a, b = add_sequences(core, 2, 2)
     b.request.cancel()
-    assert scheduler.drop_cancelled() == [b]
-    plan = scheduler.schedule()
+    assert core.drop_ended() == [b]
+    plan = core.schedule()
     assert plan.scheduled == [a]
     # b never ran, so it holds no KV and the runner never hears of it.
     assert b.seq_id not in plan.forward.released_seq_ids
@@ -319,13 +308,13 @@ def test_cancelled_waiting_sequence_is_dropped_and_never_scheduled() -> None:
 
 
 def test_fail_takes_sequences_out_and_releases_running_ones() -> None:
-    scheduler = make_scheduler(max_num_seqs=1)
-    a, b = add_sequences(scheduler, 2, 2)
-    run_step(scheduler)
-    scheduler.fail([a, b])
-    assert not scheduler.running and not scheduler.waiting
-    assert scheduler.schedule().forward.released_seq_ids == [a.seq_id]
-    assert a.request.info["outcome"] == b.request.info["outcome"] == "error"
+    core = make_core(max_num_seqs=1)
+    a, b = add_sequences(core, 2, 2)
+    run_step(core)
+    core.scheduler.fail([a, b])
+    assert not core.scheduler.running and not core.scheduler.waiting
+    assert core.schedule().forward.released_seq_ids == [a.seq_id]
+    assert a.finish_reason is b.finish_reason is FinishReason.ERROR
 
 
 # --- the continuous batcher -----------------------------------------------------------------
@@ -419,7 +408,7 @@ def test_batcher_step_failure_fails_that_steps_requests_and_keeps_going() -> Non
         assert isinstance(last, ErrorEvent)
         assert isinstance(last.error, BatchFailedError)
         assert "out of luck" in str(last.error)
-        assert request.info["outcome"] == "error"
+        assert sum(isinstance(e, ErrorEvent) for e in events_of(request)) == 1
     assert batcher.stats().num_failed == 2
     c = make_request(2, max_tokens=2, name="c")
     batcher.submit(c)
@@ -478,133 +467,159 @@ def test_batcher_refuses_a_request_larger_than_the_whole_pool() -> None:
 # --- chunked prefill, preemption, prefix caching ----------------------------------------------
 
 
-def run_until_done(scheduler: Scheduler, max_steps: int = 200) -> list[StepPlan]:
+def run_until_done(core: Scheduler, max_steps: int = 200) -> list[StepPlan]:
     plans = []
     for _ in range(max_steps):
-        if not scheduler.has_work:
+        if not core.scheduler.has_work:
             return plans
-        plan, _ = run_step(scheduler)
+        plan, _ = run_step(core)
         plans.append(plan)
-        scheduler.block_manager.check_invariants()
+        core.scheduler.block_manager.check_invariants()
     raise AssertionError("the scheduler did not run out of work")
 
 
 def test_a_long_prompt_is_chunked_while_running_sequences_decode_every_step() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=8)
-    (short,) = add_sequences(scheduler, 2, max_tokens=8)
-    run_step(scheduler)
-    (long,) = add_sequences(scheduler, 20, max_tokens=2)
+    core = make_core(max_num_batched_tokens=8)
+    (short,) = add_sequences(core, 2, max_tokens=8)
+    run_step(core)
+    (long,) = add_sequences(core, 20, max_tokens=2)
     chunks = []
     for _ in range(3):
-        plan, _ = run_step(scheduler)
+        plan, _ = run_step(core)
         assert plan.scheduled[0] is short and len(plan.forward.sequences[0].token_ids) == 1
         chunks.append((plan.forward.sequences[1].position, len(plan.forward.sequences[1].token_ids)))
     assert chunks == [(0, 7), (7, 7), (14, 6)]  # 20 prompt tokens beside one decode per step
     assert long.output_token_ids == [7]  # sampled only after the last chunk
-    assert scheduler.counters.num_chunked_prefills == 2
+    assert core.scheduler.counters.num_chunked_prefills == 2
 
 
 def test_out_of_blocks_preempts_the_lowest_priority_latest_arrival() -> None:
     # 6 blocks of 2 tokens; three prompts of 3 tokens take 2 blocks each; the first decode
     # that needs a third block has to take one from someone.
-    scheduler = make_scheduler(num_blocks=6, block_size=2)
+    core = make_core(num_blocks=6, block_size=2)
     urgent = make_sequence(make_request(3, max_tokens=4, name="urgent", priority=-1))
     early = make_sequence(make_request(3, max_tokens=4, name="early"))
     late = make_sequence(make_request(3, max_tokens=4, name="late"))
     for seq in (early, urgent, late):
-        scheduler.add(seq)
-    run_step(scheduler)  # all prefill: 6 blocks used
-    assert scheduler.block_manager.num_free_blocks == 0
-    plan, _ = run_step(scheduler)  # decodes at position 3: 4 tokens fit in 2 blocks
-    plan = scheduler.schedule()  # position 4 needs a third block each
+        core.add(seq)
+    run_step(core)  # all prefill: 6 blocks used
+    assert core.scheduler.block_manager.num_free_blocks == 0
+    plan, _ = run_step(core)  # decodes at position 3: 4 tokens fit in 2 blocks
+    plan = core.schedule()  # position 4 needs a third block each
     assert plan.num_preempted >= 1
     assert late.status is SequenceStatus.PREEMPTED  # priority 0 like early, but arrived later
     assert urgent.status is SequenceStatus.RUNNING
-    assert scheduler.waiting.peek() is late and late.num_computed_tokens == 0
-    scheduler.postprocess(plan, sample_all(plan))
-    run_until_done(scheduler)
+    assert core.scheduler.waiting.peek() is late and late.num_computed_tokens == 0
+    core.postprocess(plan, sample_all(plan))
+    run_until_done(core)
     for seq in (urgent, early, late):
         assert seq.output_token_ids == [7, 7, 7, 7]
         assert [e.finish_reason for e in events_of(seq.request)][-1] == "length"  # type: ignore[union-attr]
-    assert scheduler.counters.num_preemptions >= 1
-    assert scheduler.block_manager.num_used_blocks == 0
+    assert core.scheduler.counters.num_preemptions >= 1
+    assert core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_a_preempted_sequence_recomputes_its_prompt_and_outputs() -> None:
-    scheduler = make_scheduler(num_blocks=3, block_size=2, enable_prefix_caching=False)
-    a, b = add_sequences(scheduler, 2, 2, max_tokens=3)
-    run_step(scheduler)  # both prefill: 2 blocks
-    run_step(scheduler)  # a's decode needs block 3, b's decode then needs a 4th: b is preempted
+    core = make_core(num_blocks=3, block_size=2, enable_prefix_caching=False)
+    a, b = add_sequences(core, 2, 2, max_tokens=3)
+    run_step(core)  # both prefill: 2 blocks
+    run_step(core)  # a's decode needs block 3, b's decode then needs a 4th: b is preempted
     assert b.status is SequenceStatus.PREEMPTED
-    plans = run_until_done(scheduler)
+    plans = run_until_done(core)
     resumed = next(p for p in plans if b in p.scheduled)
     seq_input = resumed.forward.sequences[resumed.scheduled.index(b)]
     assert seq_input.position == 0
     assert seq_input.token_ids == [1, 2, 7]  # prompt + the token it had already generated
     assert b.output_token_ids == [7, 7, 7]
-    assert scheduler.block_manager.num_used_blocks == 0
+    assert core.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_shared_prefix_hits_the_prefix_cache() -> None:
-    scheduler = make_scheduler(block_size=4)
+    core = make_core(block_size=4)
     first = make_sequence(make_request(10, max_tokens=2, name="first"))
-    scheduler.add(first)
-    run_until_done(scheduler)
+    core.add(first)
+    run_until_done(core)
     second = make_sequence(make_request(10, max_tokens=2, name="second"))
-    scheduler.add(second)
-    plan, _ = run_step(scheduler)
+    core.add(second)
+    plan, _ = run_step(core)
     (seq_input,) = plan.forward.sequences
     assert seq_input.position == 8  # two full blocks of the same 10-token prompt reused
     assert seq_input.token_ids == [9, 10]
-    stats = scheduler.block_manager.stats()
+    stats = core.scheduler.block_manager.stats()
     assert stats.prefix_cache_hits == 2
-    run_until_done(scheduler)
+    run_until_done(core)
     assert second.output_token_ids == first.output_token_ids
 
 
 def test_prefix_caching_off_recomputes_everything() -> None:
-    scheduler = make_scheduler(block_size=4, enable_prefix_caching=False)
+    core = make_core(block_size=4, enable_prefix_caching=False)
     for name in ("first", "second"):
-        scheduler.add(make_sequence(make_request(10, max_tokens=1, name=name)))
-        plan, _ = run_step(scheduler)
+        core.add(make_sequence(make_request(10, max_tokens=1, name=name)))
+        plan, _ = run_step(core)
         assert plan.forward.sequences[0].position == 0
-        run_until_done(scheduler)
-    assert scheduler.block_manager.stats().prefix_cache_hits == 0
+        run_until_done(core)
+    assert core.scheduler.block_manager.stats().prefix_cache_hits == 0
 
 
 def test_every_block_is_free_or_evictable_after_all_end_cancelled_included() -> None:
-    scheduler = make_scheduler(num_blocks=12, block_size=2, max_num_batched_tokens=6)
-    seqs = add_sequences(scheduler, 5, 3, 7, 1, 4, max_tokens=5)
-    run_step(scheduler)
+    core = make_core(num_blocks=12, block_size=2, max_num_batched_tokens=6)
+    seqs = add_sequences(core, 5, 3, 7, 1, 4, max_tokens=5)
+    run_step(core)
     seqs[1].request.cancel()
-    run_step(scheduler)
+    run_step(core)
     seqs[4].request.cancel()  # maybe still waiting
-    run_until_done(scheduler)
-    manager = scheduler.block_manager
+    run_until_done(core)
+    manager = core.scheduler.block_manager
     manager.check_invariants()
     assert manager.num_used_blocks == 0
     assert manager.num_free_blocks == manager.num_blocks
 
 
 def test_add_refuses_a_sequence_that_can_never_fit() -> None:
-    scheduler = make_scheduler(num_blocks=2, block_size=4)
+    core = make_core(num_blocks=2, block_size=4)
     with pytest.raises(KVCapacityError, match="exceeds the KV pool's 8 tokens"):
-        scheduler.add(make_sequence(make_request(5, max_tokens=4)))
+        core.add(make_sequence(make_request(5, max_tokens=4)))
 
 
 def test_waiting_sequences_join_by_effective_priority_with_aging() -> None:
-    scheduler = make_scheduler(max_num_seqs=1)
-    clock = scheduler.clock
+    core = make_core(max_num_seqs=1)
+    clock = core.scheduler.clock
     assert isinstance(clock, FakeClock)
     background = make_sequence(make_request(2, max_tokens=1, name="background", priority=2))
-    scheduler.add(background)  # arrives at t=0
+    core.add(background)  # arrives at t=0
     clock.now = 5.0
     urgent = make_sequence(make_request(2, max_tokens=1, name="urgent", priority=0))
-    scheduler.add(urgent)  # 2 levels more urgent, 5 s later: aging (10 s a level) leaves it ahead
-    plan, _ = run_step(scheduler)
+    core.add(urgent)  # 2 levels more urgent, 5 s later: aging (10 s a level) leaves it ahead
+    plan, _ = run_step(core)
     assert plan.scheduled == [urgent]
     clock.now = 30.0
     late_urgent = make_sequence(make_request(2, max_tokens=1, name="late", priority=0))
-    scheduler.add(late_urgent)  # 30 s after background: background has aged past it
-    run_until_done(scheduler)
+    core.add(late_urgent)  # 30 s after background: background has aged past it
+    run_until_done(core)
     assert background.request.batches[0][0] < late_urgent.request.batches[0][0]
+
+
+def test_a_blocked_waiting_sequence_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import buckets.sequence
+
+    hashed: list[tuple[int, ...]] = []
+    real_hash = buckets.sequence.hash_block_tokens
+
+    def counting_hash(parent_hash: int | None, token_ids: list[int]) -> int:
+        hashed.append(tuple(token_ids))
+        return real_hash(parent_hash, token_ids)
+
+    monkeypatch.setattr(buckets.sequence, "hash_block_tokens", counting_hash)
+    core = make_core(num_blocks=4, block_size=4)
+    running = make_sequence(make_request(12, max_tokens=4, name="running"))
+    core.add(running)
+    run_step(core)  # 12 prompt tokens in 3 blocks; its decodes take the 4th
+    blocked = make_sequence(make_request(12, max_tokens=2, name="blocked", first_token=100))
+    core.add(blocked)
+    num_blocked_steps = 0
+    while blocked not in run_step(core)[0].scheduled:
+        assert list(core.scheduler.waiting) == [blocked]
+        num_blocked_steps += 1
+    assert num_blocked_steps >= 2
+    blocked_blocks = [tuple(range(100 + i, 104 + i)) for i in (0, 4, 8)]
+    assert [h for h in hashed if h in blocked_blocks] == blocked_blocks  # each of its 3 blocks once

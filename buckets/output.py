@@ -1,0 +1,140 @@
+"""The output stage of the continuous batcher: the fourth call of a step.
+
+After ``Scheduler.postprocess`` has done the bookkeeping (tokens appended, ends on EOS or
+length, blocks freed), :class:`OutputProcessor` turns its :class:`~buckets.scheduler.StepResult`
+into what clients see: text by windowed incremental detokenization
+(:class:`models.detokenizer.IncrementalDetokenizer`), stop strings (a hit finishes the sequence
+through :meth:`Scheduler.finish`), events on each request's sink, timeline stamps
+(``started``, ``first_token``, ``finished``) and the release of admission tickets.
+
+Owned by the bucket's worker thread, like the scheduler; no locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from buckets.errors import DeadlineExceededError
+from buckets.request import ErrorEvent, TokenEvent
+from buckets.scheduler import Scheduler, StepPlan, StepResult
+from buckets.sequence import FinishReason, Sequence
+from models.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class _SequenceOutput:
+    """A live sequence and the detokenizer of its outputs."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+
+
+class OutputProcessor:
+    """Text, stop strings, events, timelines and admission tickets for one bucket's sequences.
+
+    The batcher calls :meth:`add` when a sequence is queued, :meth:`record_plan` after each
+    ``schedule()`` (before the forward), :meth:`process` with every ``StepResult`` (from
+    ``drop_ended`` and ``postprocess``), and :meth:`fail` when a forward fails or the bucket stops.
+
+    Args:
+        scheduler: the bucket's scheduler; a stop string finishes its sequence there.
+        tokenizer: a Hugging Face tokenizer (``decode``).
+        clock: seconds, monotonic (the scheduler's clock).
+    """
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Any, clock: Callable[[], float]) -> None:
+        self._scheduler = scheduler
+        self._tokenizer = tokenizer
+        self._clock = clock
+        self._outputs: dict[int, _SequenceOutput] = {}
+
+    def add(self, seq: Sequence) -> None:
+        """Follow a sequence the scheduler has just queued."""
+        self._outputs[seq.seq_id] = _SequenceOutput(seq, IncrementalDetokenizer(self._tokenizer, seq.request.stop))
+
+    def record_plan(self, plan: StepPlan) -> None:
+        """Note each scheduled request's place in the step (``Request.batches``); the first time
+        a request is scheduled, stamp ``started`` and release its admission ticket (it has left
+        the queue, even if its prompt runs in several chunks)."""
+        now = self._clock()
+        for index, seq in enumerate(plan.scheduled):
+            request = seq.request
+            request.batches.append((plan.step_id, index))
+            if "started" not in request.timeline:
+                request.timeline["started"] = now
+                request.leave_queue()
+
+    def process(self, result: StepResult) -> list[Sequence]:
+        """Emit the step's events; return the sequences that ended (a stop string included).
+
+        Each new token gets a :class:`TokenEvent` with the text it released (the last one
+        carries ``finish_reason``). A sequence that ended without a new token was dropped: on
+        ``TIMEOUT`` it gets a last event with the text held back so far when it has outputs,
+        else an error event carrying :class:`DeadlineExceededError`; on ``CANCELLED`` nothing is
+        emitted (whoever cancelled it answers the client) and its admission ticket is released.
+        """
+        now = self._clock()
+        ended: list[Sequence] = []
+        for seq_id, token_ids in result.new_token_ids.items():
+            seq = self._emit_tokens(seq_id, token_ids, result.finished.get(seq_id), now)
+            if seq is not None:
+                ended.append(seq)
+        for seq_id, reason in result.finished.items():
+            if seq_id not in result.new_token_ids:
+                ended.append(self._end_dropped(seq_id, reason, now))
+        return ended
+
+    def fail(self, seqs: list[Sequence], error: Exception) -> None:
+        """Send each sequence's request an :class:`ErrorEvent` carrying ``error`` and forget it."""
+        now = self._clock()
+        for seq in seqs:
+            self._outputs.pop(seq.seq_id, None)
+            seq.request.timeline["finished"] = now
+            seq.request.emit(ErrorEvent(error))
+
+    def _emit_tokens(self, seq_id: int, token_ids: list[int], reason: FinishReason | None, now: float) -> Sequence | None:
+        """Detokenize, check stop strings and emit one token event; the sequence if it ended."""
+        output = self._outputs[seq_id]
+        seq, detokenizer = output.seq, output.detokenizer
+        text = detokenizer.update(seq.output_token_ids, is_last=reason is not None)
+        if detokenizer.stopped:
+            if reason is None:
+                self._scheduler.finish(seq_id, FinishReason.STOP)
+            reason = FinishReason.STOP  # a stop string in the last token's text wins over length
+        request = seq.request
+        request.timeline.setdefault("first_token", now)
+        if reason is not None:
+            request.timeline["finished"] = now
+            del self._outputs[seq_id]
+        request.emit(TokenEvent(
+            text=text,
+            token_ids=token_ids,
+            finish_reason=None if reason is None else reason.value,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_completion_tokens=len(seq.output_token_ids),
+        ))
+        return None if reason is None else seq
+
+    def _end_dropped(self, seq_id: int, reason: FinishReason, now: float) -> Sequence:
+        """Tell the client about a sequence dropped for ``reason`` (``TIMEOUT`` or ``CANCELLED``)."""
+        output = self._outputs.pop(seq_id)
+        seq, request = output.seq, output.seq.request
+        request.timeline["finished"] = now
+        if reason is not FinishReason.TIMEOUT:
+            request.leave_queue()
+        elif seq.output_token_ids:
+            request.emit(TokenEvent(
+                text=output.detokenizer.update(seq.output_token_ids, is_last=True),
+                token_ids=[],
+                finish_reason=reason.value,
+                num_prompt_tokens=len(seq.prompt_token_ids),
+                num_completion_tokens=len(seq.output_token_ids),
+            ))
+        else:
+            waited_s = now - seq.arrival_s
+            request.emit(ErrorEvent(DeadlineExceededError(
+                f"the request's deadline passed after {waited_s:.3f} s, before its first token"
+            )))
+        return seq
