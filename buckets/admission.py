@@ -2,7 +2,7 @@
 
 Queued means submitted to the bucket and not yet started: a continuous request starts when the
 scheduler first admits its sequence, a dynamic one when its batch is taken. The event loop admits
-(:meth:`AdmissionGate.admit`), the worker releases (:meth:`Ticket.release`), so the counts sit
+(:meth:`AdmissionControl.admit`), the worker releases (:meth:`Ticket.release`), so the counts sit
 behind a lock.
 """
 
@@ -20,17 +20,17 @@ from policies.deadlines import can_meet_deadline, expected_wait_s
 class Ticket:
     """One admitted request's place in the queue; :meth:`release` gives it back, once."""
 
-    def __init__(self, gate: AdmissionGate, num_tokens: int):
-        self._gate = gate
+    def __init__(self, admission: AdmissionControl, num_tokens: int):
+        self._admission = admission
         self.num_tokens = num_tokens
         self.is_released = False
 
     def release(self) -> None:
         """Leave the queue (started, cancelled, failed or shut down). Idempotent, thread-safe."""
-        self._gate._release(self)
+        self._admission._release(self)
 
 
-class AdmissionGate:
+class AdmissionControl:
     """A bucket's ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited), and the
     queue's drain rate: over busy time (:class:`BusyDrainRate`) for deadline-aware refusals and
     ``Retry-After``, else over the last ``window_s`` seconds for ``Retry-After``.
