@@ -164,7 +164,7 @@ class DashboardController(Controller):
             raise APIError(404, f"No static file '{name}'", "not_found_error")
         return File(
             path=path,
-            media_type="text/javascript; charset=utf-8",
+            media_type="text/javascript",  # litestar adds the charset to a text/* type
             content_disposition_type="inline",
             headers={"Cache-Control": STATIC_CACHE_CONTROL},
         )

@@ -1,0 +1,71 @@
+"""One ``http_request`` log event for every HTTP request (4xx and unknown paths included), with
+its status, model, path and duration; and a hook for the metrics of the requests no bucket counts.
+
+Wraps the app's ASGI handler rather than being a litestar middleware, which runs only on matched
+routes and so misses 404s and 405s. Handlers add fields (the body's ``model``) with :func:`note`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import structlog
+
+from gateway.outcome import outcome_of_status
+
+# The scope key under which a request's access-log fields are gathered.
+SCOPE_KEY = "sluice.access"
+# Status logged for a request whose handler ended before sending a response (the client left).
+CLIENT_CLOSED_STATUS = 499
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+# (path, status, model from the body or None) -> None, once per finished HTTP request.
+FinishHook = Callable[[str, int, str | None], None]
+
+log = structlog.get_logger("sluice.access")
+
+
+def note(scope: Scope, **fields: Any) -> None:
+    """Add ``fields`` to the access-log event of the request of ``scope``."""
+    scope.setdefault(SCOPE_KEY, {}).update(fields)
+
+
+class AccessLog:
+    """An ASGI wrapper logging each HTTP request once, when its response has been sent.
+
+    Args:
+        app: the ASGI handler to wrap.
+        on_finish: called after logging, with the path, status and noted model.
+    """
+
+    def __init__(self, app: ASGIApp, on_finish: FinishHook):
+        self.app = app
+        self.on_finish = on_finish
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started_s = time.monotonic()
+        fields: dict[str, Any] = scope.setdefault(SCOPE_KEY, {})
+
+        async def send_and_note(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                fields["status"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            status = int(fields.pop("status", CLIENT_CLOSED_STATUS))
+            model = fields.pop("model", None)
+            outcome = outcome_of_status(status)
+            log.info(
+                "http_request", method=scope.get("method"), path=scope.get("path"), status=status, model=model,
+                duration_ms=round((time.monotonic() - started_s) * 1000, 3), outcome=None if outcome is None else outcome.value,
+                **fields,
+            )
+            self.on_finish(str(scope.get("path", "")), status, model)
