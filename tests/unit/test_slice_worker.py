@@ -12,8 +12,7 @@ from buckets.errors import BatchFailedError, SliceUnavailableError, WorkerCrashe
 from buckets.process_slice import ProcessSlice
 from gateway.config import GatewayConfig, parse_config
 from gateway.engine import split_kv_memory
-from gateway.errors import slice_unavailable
-from gateway.routes.generation import core_failure
+from gateway.errors import slice_unavailable, to_api_error
 from gateway.slice_worker import make_slice, worker_config
 
 
@@ -63,10 +62,10 @@ def test_each_slice_gets_the_worker_its_isolation_names() -> None:
 
 
 def test_a_crashed_worker_is_a_503_with_retry_after_and_other_failures_a_500() -> None:
-    crashed = core_failure(WorkerCrashedError("the worker process of slice 'proc' exited (code -9)"))
+    crashed = to_api_error(WorkerCrashedError("the worker process of slice 'proc' exited (code -9)"))
     assert (crashed.status_code, crashed.code) == (503, "worker_crashed") and int(crashed.headers["Retry-After"]) >= 1
     assert "exited (code -9)" in crashed.message
-    failed = core_failure(BatchFailedError("forward failed"))
+    failed = to_api_error(BatchFailedError("forward failed"))
     assert (failed.status_code, failed.type) == (500, "server_error")
     restarting = slice_unavailable("gen", "le64", SliceUnavailableError("the worker process of slice 'proc' is restarting", 5))
     assert (restarting.status_code, restarting.code, restarting.headers) == (503, "slice_unavailable", {"Retry-After": "5"})
