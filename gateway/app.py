@@ -89,6 +89,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         except ConfigError as exc:  # a layout over a slice's memory budget: say so, do not serve
             log.error("startup_failed", error=str(exc))
             raise
+        await app.state.router.warm()
         app.state.config_lock = asyncio.Lock()  # admin changes and the SLO tuner, one at a time
         tuning = asyncio.create_task(TuningLoop(engine, metrics, app.state.config_lock).run())
         log.info("gateway_ready", models=sorted(engine.models))

@@ -53,6 +53,7 @@ class Router:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._encoders: dict[int, PromptEncoder] = {}
+        self._building: dict[int, asyncio.Future[PromptEncoder]] = {}
 
     def model(self, name: str, task: str) -> ServedModel:
         """The served model called ``name`` for ``task``.
@@ -70,13 +71,30 @@ class Router:
             raise invalid_request(f"The model '{name}' does not support {task}", param="model", code="wrong_task")
         return served
 
-    def encoder(self, served: ServedModel) -> PromptEncoder:
-        """The lock-free encoder of ``served``'s tokenizer (built once per tokenizer)."""
+    async def encoder(self, served: ServedModel) -> PromptEncoder:
+        """The lock-free encoder of ``served``'s tokenizer, built once per tokenizer on a worker
+        thread (copying a tokenizer takes a while; the first requests wait for the same copy)."""
         tokenizer = served.loaded.tokenizer
-        encoder = self._encoders.get(id(tokenizer))
-        if encoder is None or encoder.tokenizer is not tokenizer:
-            encoder = self._encoders[id(tokenizer)] = PromptEncoder(tokenizer)
+        key = id(tokenizer)
+        encoder = self._encoders.get(key)
+        if encoder is not None and encoder.tokenizer is tokenizer:
+            return encoder
+        building = self._building.get(key)
+        if building is None:
+            building = self._building[key] = asyncio.ensure_future(asyncio.to_thread(PromptEncoder, tokenizer))
+        try:
+            encoder = await asyncio.shield(building)
+        finally:
+            if building.done():
+                self._building.pop(key, None)
+        served_tokenizers = {id(m.loaded.tokenizer) for m in list(self.engine.models.values())}
+        self._encoders = {k: e for k, e in self._encoders.items() if k in served_tokenizers}  # unloaded models'
+        self._encoders[key] = encoder
         return encoder
+
+    async def warm(self) -> None:
+        """Build the encoders of every served model (called once the models are loaded)."""
+        await asyncio.gather(*(self.encoder(served) for served in list(self.engine.models.values())))
 
     async def submit(
         self, served: ServedModel, prompt: Prompt, budget: TokenBudget, deadline_s: float | None, build: RequestFactory
@@ -90,7 +108,7 @@ class Router:
                 prompt, a missing chat template, or the limits of :meth:`route`; 503 when the
                 bucket's slice is restarting or every attempt met a replaced bucket.
         """
-        encoder = self.encoder(served)
+        encoder = await self.encoder(served)
         if prompt.text is not None:
             pieces = encoder.text_pieces(prompt.text)
         else:
@@ -110,7 +128,7 @@ class Router:
 
     async def tokenize_all(self, served: ServedModel, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each of ``texts`` (embedding inputs), with the usual special tokens."""
-        encoder = self.encoder(served)
+        encoder = await self.encoder(served)
         pieces = [encoder.text_pieces(text) for text in texts]
         if sum(encoder.max_num_tokens(p) for p in pieces) <= MAX_INLINE_PROMPT_TOKENS:
             return [encoder.encode(p) for p in pieces]
