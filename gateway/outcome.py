@@ -26,8 +26,8 @@ def outcome_of(last: ChannelItem | None, cancel_reason: InterruptReason | None) 
     """The outcome of a request whose wait ended on ``last`` (``None``: before any event), with
     ``cancel_reason`` the watch's reason if it fired (deadline or hang-up).
 
-    A final token event or an embedding is ``ok`` (a generation cut by its deadline ends on an
-    :class:`Interrupt`); an error event is ``timeout`` for a passed deadline, else ``error``; a
+    A final token event or an embedding is ``ok``, but one finished by ``timeout`` (the core's
+    deadline, or the watch's :class:`Interrupt`) is ``timeout``; an error event is ``timeout`` for a passed deadline, else ``error``; a
     wait that stopped before a final event (a streaming client that went away) is ``timeout`` or
     ``cancelled`` by ``cancel_reason``.
     """
@@ -35,7 +35,9 @@ def outcome_of(last: ChannelItem | None, cancel_reason: InterruptReason | None) 
         return Outcome.TIMEOUT if last.reason is InterruptReason.TIMEOUT else Outcome.CANCELLED
     if isinstance(last, ErrorEvent):
         return Outcome.TIMEOUT if isinstance(last.error, DeadlineExceededError) else Outcome.ERROR
-    if isinstance(last, EmbeddingEvent) or (isinstance(last, TokenEvent) and last.finish_reason is not None):
+    if isinstance(last, TokenEvent) and last.finish_reason is not None:
+        return Outcome.TIMEOUT if last.finish_reason == "timeout" else Outcome.OK
+    if isinstance(last, EmbeddingEvent):
         return Outcome.OK
     return Outcome.TIMEOUT if cancel_reason is InterruptReason.TIMEOUT else Outcome.CANCELLED
 
