@@ -8,7 +8,7 @@ routes and so misses 404s and 405s. Handlers add fields (the body's ``model``) w
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -20,15 +20,15 @@ SCOPE_KEY = "sluice.access"
 # Status logged for a request whose handler ended before sending a response (the client left).
 CLIENT_CLOSED_STATUS = 499
 
-Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+# An ASGI callable: (scope, receive, send); typed loosely, as litestar's own scope types are narrower.
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 # (path, status, model from the body or None) -> None, once per finished HTTP request.
 FinishHook = Callable[[str, int, str | None], None]
 
 log = structlog.get_logger("sluice.access")
 
 
-def note(scope: Scope, **fields: Any) -> None:
+def note(scope: Any, **fields: Any) -> None:
     """Add ``fields`` to the access-log event of the request of ``scope``."""
     scope.setdefault(SCOPE_KEY, {}).update(fields)
 
@@ -45,7 +45,8 @@ class AccessLog:
         self.app = app
         self.on_finish = on_finish
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Serve the request through the wrapped app, then log it and call ``on_finish``."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -108,5 +108,5 @@ def create_app(config: GatewayConfig) -> Litestar:
         plugins=[RequestBodySchemas()],
     )
     # Around the whole handler, not as a route middleware: unknown paths (404) are logged too.
-    app.asgi_handler = AccessLog(app.asgi_handler, metrics.observe_http)  # type: ignore[assignment]
+    app.asgi_handler = AccessLog(app.asgi_handler, metrics.observe_http)
     return app

@@ -21,8 +21,11 @@ from gateway.errors import invalid_request
 class Message(Protocol):
     """A chat message as the body schema holds it."""
 
-    role: str
-    content: str
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def content(self) -> str: ...
 
 
 @dataclass(frozen=True)

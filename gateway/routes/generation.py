@@ -99,6 +99,7 @@ async def collect_response(
                 break
             if isinstance(item, (Interrupt, ErrorEvent)):
                 raise _failure(served, request, item, watch)
+            assert isinstance(item, TokenEvent)
             pieces.append(item.text)
             token_ids.extend(item.token_ids)
             num_completion_tokens = item.num_completion_tokens
@@ -157,6 +158,7 @@ async def stream_response(
                 yield _sse(to_api_error(item.error).body())
                 break
             else:
+                assert isinstance(item, TokenEvent)
                 completion_tokens = item.num_completion_tokens
                 finish_reason = item.finish_reason
                 if item.text or finish_reason:
