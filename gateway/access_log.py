@@ -1,5 +1,5 @@
 """One ``http_request`` log event for every HTTP request (4xx and unknown paths included), with
-its status, model, path and duration; and a hook for the metrics of the requests no bucket counts.
+its status, model, path, route (the matched path template; ``None`` for an unknown path) and duration; and a hook for the metrics of the requests no bucket counts.
 
 Wraps the app's ASGI handler rather than being a litestar middleware, which runs only on matched
 routes and so misses 404s and 405s. Handlers add fields (the body's ``model``) with :func:`note`.
@@ -60,12 +60,16 @@ class AccessLog:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except Exception:
+            fields.setdefault("status", 500)  # the server answers a handler that raised with a 500
+            raise
         finally:
             status = int(fields.pop("status", CLIENT_CLOSED_STATUS))
             model = fields.pop("model", None)
             outcome = outcome_of_status(status)
             log.info(
-                "http_request", method=scope.get("method"), path=scope.get("path"), status=status, model=model,
+                "http_request", method=scope.get("method"), path=scope.get("path"), route=scope.get("path_template"),
+                status=status, model=model,
                 duration_ms=round((time.monotonic() - started_s) * 1000, 3), outcome=None if outcome is None else outcome.value,
                 **fields,
             )
