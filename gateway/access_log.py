@@ -33,8 +33,15 @@ def note(scope: Any, **fields: Any) -> None:
     scope.setdefault(SCOPE_KEY, {}).update(fields)
 
 
+def _ms(seconds: float) -> float:
+    return round(max(0.0, seconds) * 1000, 3)
+
+
 class AccessLog:
-    """An ASGI wrapper logging each HTTP request once, when its response has been sent.
+    """An ASGI wrapper logging each HTTP request once, when its response has been sent:
+    ``duration_ms`` from the app's call (the request's head read) to the response's end,
+    ``answer_ms`` from the whole request received (its body read) to the response's start,
+    which a slow client's body does not stretch.
 
     Args:
         app: the ASGI handler to wrap.
@@ -52,14 +59,22 @@ class AccessLog:
             return
         started_s = time.monotonic()
         fields: dict[str, Any] = scope.setdefault(SCOPE_KEY, {})
+        times_s = {"received": started_s}
+
+        async def receive_and_note() -> Any:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                times_s["received"] = time.monotonic()
+            return message
 
         async def send_and_note(message: Any) -> None:
             if message["type"] == "http.response.start":
                 fields["status"] = message["status"]
+                times_s["answered"] = time.monotonic()
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive_and_note, send_and_note)
         except Exception:
             fields.setdefault("status", 500)  # the server answers a handler that raised with a 500
             raise
@@ -67,10 +82,11 @@ class AccessLog:
             status = int(fields.pop("status", CLIENT_CLOSED_STATUS))
             model = fields.pop("model", None)
             outcome = outcome_of_status(status)
+            answered_s = times_s.get("answered")
             log.info(
                 "http_request", method=scope.get("method"), path=scope.get("path"), route=scope.get("path_template"),
-                status=status, model=model,
-                duration_ms=round((time.monotonic() - started_s) * 1000, 3), outcome=None if outcome is None else outcome.value,
-                **fields,
+                status=status, model=model, duration_ms=_ms(time.monotonic() - started_s),
+                answer_ms=None if answered_s is None else _ms(answered_s - times_s["received"]),
+                outcome=None if outcome is None else outcome.value, **fields,
             )
             self.on_finish(str(scope.get("path", "")), status, model)
