@@ -44,6 +44,8 @@ async def parse_body(request: Request[Any, Any, Any], schema: type[BodyT]) -> Bo
         raise invalid_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object", code="invalid_json")
+    if isinstance(data.get("model"), str):
+        note(request.scope, model=data["model"])  # for the access log, a body that fails validation included
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -121,7 +123,6 @@ class OpenAIController(Controller):
     async def completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
         arrival_s = time.monotonic()
         body = await parse_body(request, CompletionBody)
-        note(request.scope, model=body.model)
         router = _router(request)
         served = router.model(body.model, "generate")
         check_priority(router, body.priority)
@@ -135,7 +136,6 @@ class OpenAIController(Controller):
     async def chat_completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
         arrival_s = time.monotonic()
         body = await parse_body(request, ChatCompletionBody)
-        note(request.scope, model=body.model)
         router = _router(request)
         served = router.model(body.model, "generate")
         check_priority(router, body.priority)
@@ -152,7 +152,6 @@ class OpenAIController(Controller):
     async def embeddings(self, request: Request[Any, Any, Any]) -> Response[Any]:
         arrival_s = time.monotonic()
         body = await parse_body(request, EmbeddingBody)
-        note(request.scope, model=body.model)
         router = _router(request)
         served = router.model(body.model, "embed")
         check_priority(router, body.priority)
