@@ -9,7 +9,6 @@ to a thread), a long one on a worker thread, with no lock shared between models 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -165,8 +164,7 @@ class Router:
         candidates = table.buckets[: table.buckets.index(last) + 1]
         if any(b.max_seq_tokens is not None and max_total_tokens > b.max_seq_tokens for b in candidates):
             return
-        timeout_s = None if deadline_s is None else deadline_s - time.monotonic()
-        refusals = [b.admission.refusal(1, timeout_s) for b in candidates]
+        refusals = [b.admission.refusal(1, None if deadline_s is None else deadline_s - b.admission.clock()) for b in candidates]
         refusal = refusals[-1]
         if refusal is None or any(r is None for r in refusals) or last.closed:
             return
