@@ -1,5 +1,6 @@
 """One ``http_request`` log event for every HTTP request (4xx and unknown paths included), with
-its status, model, path, route (the matched path template; ``None`` for an unknown path) and duration; and a hook for the metrics of the requests no bucket counts.
+its status, model, path, route (the matched path template; ``None`` for an unknown path) and
+durations; and a hook for the metrics of the requests no bucket counts.
 
 Wraps the app's ASGI handler rather than being a litestar middleware, which runs only on matched
 routes and so misses 404s and 405s. Handlers add fields (the body's ``model``) with :func:`note`.

@@ -27,9 +27,9 @@ def outcome_of(last: ChannelItem | None, cancel_reason: InterruptReason | None) 
     ``cancel_reason`` the watch's reason if it fired (deadline or hang-up).
 
     A final token event or an embedding is ``ok``, but one finished by ``timeout`` (the core's
-    deadline, or the watch's :class:`Interrupt`) is ``timeout``; an error event is ``timeout`` for a passed deadline, else ``error``; a
-    wait that stopped before a final event (a streaming client that went away) is ``timeout`` or
-    ``cancelled`` by ``cancel_reason``.
+    deadline) is ``timeout``, as is the watch's deadline :class:`Interrupt`; an error event is
+    ``timeout`` for a passed deadline, else ``error``; a wait that stopped before a final event
+    (a streaming client that went away) is ``timeout`` or ``cancelled`` by ``cancel_reason``.
     """
     if isinstance(last, Interrupt):
         return Outcome.TIMEOUT if last.reason is InterruptReason.TIMEOUT else Outcome.CANCELLED

@@ -124,7 +124,10 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def _chunk(served: ServedModel, request: GenerationRequest, fmt: ResponseFormat, text: str | None, finish_reason: str | None, has_role: bool = False) -> str:
+def _chunk(
+    served: ServedModel, request: GenerationRequest, fmt: ResponseFormat, text: str | None, finish_reason: str | None,
+    has_role: bool = False,
+) -> str:
     body = _envelope(served, request, fmt, is_chunk=True)
     body["choices"] = [fmt.chunk_choice(text, finish_reason, has_role)]
     return _sse(body)
