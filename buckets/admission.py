@@ -2,7 +2,7 @@
 
 Queued means submitted to the bucket and not yet started: a continuous request starts when the
 scheduler first admits its sequence, a dynamic one when its batch is taken. The event loop admits
-(:meth:`AdmissionGate.admit`), the worker releases (:meth:`Ticket.release`), so the counts sit
+(:meth:`AdmissionControl.admit`), the worker releases (:meth:`Ticket.release`), so the counts sit
 behind a lock.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from buckets.errors import DeadlineUnmeetableError, QueueFullError
 from policies.admission import BusyDrainRate, RateWindow, refusal_reason, retry_after_s
@@ -20,17 +20,17 @@ from policies.deadlines import can_meet_deadline, expected_wait_s
 class Ticket:
     """One admitted request's place in the queue; :meth:`release` gives it back, once."""
 
-    def __init__(self, gate: AdmissionGate, num_tokens: int):
-        self._gate = gate
+    def __init__(self, admission: AdmissionControl, num_tokens: int):
+        self._admission = admission
         self.num_tokens = num_tokens
         self.is_released = False
 
     def release(self) -> None:
         """Leave the queue (started, cancelled, failed or shut down). Idempotent, thread-safe."""
-        self._gate._release(self)
+        self._admission._release(self)
 
 
-class AdmissionGate:
+class AdmissionControl:
     """A bucket's ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited), and the
     queue's drain rate: over busy time (:class:`BusyDrainRate`) for deadline-aware refusals and
     ``Retry-After``, else over the last ``window_s`` seconds for ``Retry-After``.
@@ -71,27 +71,42 @@ class AdmissionGate:
             QueueFullError: a limit would be exceeded; carries the reason and a retry delay.
         """
         with self._lock:
-            reason = refusal_reason(
-                self.num_queued, self.num_queued_tokens, num_tokens, self.max_queue_len, self.max_queued_tokens
-            )
             now = self.clock()
-            busy_drain_per_s = self._busy_drain.rate_per_s(now)
-            drain_per_s = busy_drain_per_s or self._drained.rate_per_s(now)
-            if reason is None and not can_meet_deadline(self.num_queued, busy_drain_per_s, timeout_s):
+            refusal = self._refusal(num_tokens, timeout_s, now)
+            if refusal is not None:
                 self.num_rejected += 1
-                wait_s = expected_wait_s(self.num_queued, busy_drain_per_s) or 0.0
-                raise DeadlineUnmeetableError(
-                    f"the expected queue wait of {wait_s:.1f} s ({self.num_queued} requests ahead) exceeds "
-                    f"the request's timeout of {timeout_s:g} s",
-                    retry_after_s(self.num_queued, drain_per_s),
-                )
-            if reason is not None:
-                self.num_rejected += 1
-                raise QueueFullError(reason, retry_after_s(self.num_queued, drain_per_s))
+                raise refusal
             self._busy_drain.on_enqueue(now, self.num_queued)
             self.num_queued += 1
             self.num_queued_tokens += num_tokens
             return Ticket(self, num_tokens)
+
+    def refusal(self, num_tokens: int, timeout_s: float | None = None) -> QueueFullError | None:
+        """The error :meth:`admit` would raise now for a request of at least ``num_tokens`` prompt
+        tokens, without admitting or counting anything; ``None``: it would be admitted. Lets the
+        router refuse a prompt before tokenizing it (thread-safe)."""
+        with self._lock:
+            return self._refusal(num_tokens, timeout_s, self.clock())
+
+    def count_refusal(self) -> None:
+        """Count a request refused on the strength of :meth:`refusal` (thread-safe)."""
+        with self._lock:
+            self.num_rejected += 1
+
+    def _refusal(self, num_tokens: int, timeout_s: float | None, now: float) -> QueueFullError | None:
+        reason = refusal_reason(self.num_queued, self.num_queued_tokens, num_tokens, self.max_queue_len, self.max_queued_tokens)
+        busy_drain_per_s = self._busy_drain.rate_per_s(now)
+        drain_per_s = busy_drain_per_s or self._drained.rate_per_s(now)
+        if reason is not None:
+            return QueueFullError(reason, retry_after_s(self.num_queued, drain_per_s))
+        if not can_meet_deadline(self.num_queued, busy_drain_per_s, timeout_s):
+            wait_s = expected_wait_s(self.num_queued, busy_drain_per_s) or 0.0
+            return DeadlineUnmeetableError(
+                f"the expected queue wait of {wait_s:.1f} s ({self.num_queued} requests ahead) exceeds "
+                f"the request's timeout of {timeout_s:g} s",
+                retry_after_s(self.num_queued, drain_per_s),
+            )
+        return None
 
     def _release(self, ticket: Ticket) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from buckets.admission import AdmissionGate
+from buckets.admission import AdmissionControl
 from buckets.errors import BucketClosedError
 from buckets.request import Request
 from buckets.slices.slice import BatcherSettings, BucketKey, Slice
@@ -26,7 +26,7 @@ class Bucket:
     batcher. ``kv_capacity_tokens`` bounds prompt + ``max_tokens`` of one request (a continuous
     bucket's whole KV pool, :func:`gateway.memory.kv_capacity_tokens`); ``None``: no such bound.
     ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited) bound the requests submitted
-    and not yet started, and their prompt tokens (:class:`AdmissionGate`)."""
+    and not yet started, and their prompt tokens (:class:`AdmissionControl`)."""
 
     name: str
     model_name: str
@@ -37,12 +37,12 @@ class Bucket:
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None
     layout_no: int = 0  # which bucket layout of its model it belongs to (a reconfiguration adds one)
-    gate: AdmissionGate = field(init=False, repr=False)
+    admission: AdmissionControl = field(init=False, repr=False)
     closed: bool = field(default=False, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.gate = AdmissionGate(self.max_queue_len, self.max_queued_tokens)
+        self.admission = AdmissionControl(self.max_queue_len, self.max_queued_tokens)
 
     @property
     def key(self) -> BucketKey:
@@ -62,11 +62,11 @@ class Bucket:
     def is_idle(self) -> bool:
         """Nothing queued (admission tickets included) or running."""
         stats = self.device_slice.stats(self.key)
-        return not (stats.num_waiting or stats.num_running or self.gate.num_queued)
+        return not (stats.num_waiting or stats.num_running or self.admission.num_queued)
 
     def set_queue_limits(self, max_queue_len: int, max_queued_tokens: int | None) -> None:
         """New admission limits, for the next request on (requests already queued stay)."""
-        self.gate.set_limits(max_queue_len, max_queued_tokens)
+        self.admission.set_limits(max_queue_len, max_queued_tokens)
         self.max_queue_len, self.max_queued_tokens = max_queue_len, max_queued_tokens
 
     def update_settings(self, settings: BatcherSettings) -> None:
@@ -91,11 +91,11 @@ class Bucket:
             BucketClosedError: the bucket was replaced; nothing queued.
             SliceUnavailableError: its slice's worker is (re)starting; nothing queued.
         """
-        timeout_s = None if request.deadline_s is None else request.deadline_s - self.gate.clock()
+        timeout_s = None if request.deadline_s is None else request.deadline_s - self.admission.clock()
         with self._lock:  # a close() either sees this ticket counted or this submit sees it closed
             if self.closed:
                 raise BucketClosedError(f"bucket {self.name!r} of {self.model_name!r} was replaced")
-            ticket = self.gate.admit(request.num_prompt_tokens, timeout_s)
+            ticket = self.admission.admit(request.num_prompt_tokens, timeout_s)
         request.info["bucket"] = self.name
         request.on_dequeue = ticket.release
         try:
@@ -105,7 +105,7 @@ class Bucket:
             raise
 
     def stats(self) -> BucketStats:
-        return replace(self.device_slice.stats(self.key), num_rejected=self.gate.num_rejected)
+        return replace(self.device_slice.stats(self.key), num_rejected=self.admission.num_rejected)
 
 
 class BucketTable:

@@ -8,8 +8,8 @@ where it is. A knob change applies from the bucket's next step or batch.
 
 Auth is a bearer token from the environment variable ``SLUICE_ADMIN_TOKEN``, compared in
 constant time (``hmac.compare_digest``); a missing or wrong token gets a 401. With no token set
-the admin API does not exist (404), unless the config's ``admin_allow_loopback_without_token``
-opens it to clients on the loopback interface alone. Every change is logged as an ``admin_audit``
+the admin API is disabled (403 ``admin_api_disabled``, saying how to enable it), unless the
+config's ``admin_allow_loopback_without_token`` opens it to clients on the loopback interface alone. Every change is logged as an ``admin_audit``
 event: who (client address), what, before, after.
 """
 
@@ -32,15 +32,24 @@ from litestar.handlers.base import BaseRouteHandler
 
 from gateway.config import BucketConfig, GatewayConfig, ModelConfig
 from gateway.engine import Engine, ServedModel
-from gateway.errors import APIError, ConfigError, model_not_found, validation_error
+from gateway.errors import APIError, ConfigError, config_validation_error, model_not_found, to_api_error
+from models.errors import ModelError
 
 ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 
 audit_log = structlog.get_logger("sluice.admin")
 
 
-def _not_found() -> APIError:
-    return APIError(404, "Not Found", "not_found_error")
+def _disabled() -> APIError:
+    """403 ``admin_api_disabled``: no token is configured (and loopback is not allowed in)."""
+    return APIError(
+        403,
+        f"The admin API is disabled: set the environment variable {ADMIN_TOKEN_ENV} to a token and send it as "
+        "'Authorization: Bearer <token>', or set admin_allow_loopback_without_token: true in the config to "
+        "open it to clients on the loopback interface",
+        "permission_error",
+        code="admin_api_disabled",
+    )
 
 
 def check_admin_token(authorization: str | None, token: str | None, client_host: str | None, allow_loopback: bool) -> None:
@@ -52,13 +61,13 @@ def check_admin_token(authorization: str | None, token: str | None, client_host:
         client_host: the client's address.
         allow_loopback: with no token, let loopback clients in.
     Raises:
-        APIError: 404 when the admin API is off (no token, and not a permitted loopback
-            client); 401 ``invalid_api_key`` for a missing or wrong bearer token.
+        APIError: 403 ``admin_api_disabled`` when the admin API is off (no token, and not a
+            permitted loopback client); 401 ``invalid_api_key`` for a missing or wrong bearer token.
     """
     if not token:
         if allow_loopback and _is_loopback(client_host):
             return
-        raise _not_found()
+        raise _disabled()
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise APIError(
@@ -201,7 +210,7 @@ class AdminController(Controller):
             try:
                 knobs = BucketPatch.model_validate(await _json_object(request))
             except ValidationError as exc:
-                raise validation_error(exc, status_code=422) from None
+                raise config_validation_error(exc, lambda knob: knob_path(engine, model, bucket, knob)) from None
             if not any(b.bucket_name == bucket for b in served.config.buckets):
                 raise APIError(404, f"The model '{model}' has no bucket '{bucket}'", "not_found_error", "bucket", "bucket_not_found")
             old, new = change_knobs(engine, model, bucket, knobs.model_dump(exclude_unset=True))
@@ -246,12 +255,24 @@ def change_knobs(engine: Engine, model: str, bucket: str, changes: dict[str, Any
     try:
         engine.update_bucket(model, bucket, config.models[index], config)
     except ValueError as exc:
-        raise APIError(422, str(exc), "invalid_request_error") from None
+        raise APIError(422, str(exc), "invalid_request_error", code="invalid_config") from None
     return old, config.models[index].buckets[position].model_dump(mode="json")
 
 
 # Knobs of the bucket (admission); the rest belong to its batcher.
 BUCKET_LEVEL_KNOBS = frozenset({"max_queue_len", "max_queued_tokens"})
+
+
+def knob_path(engine: Engine, model: str, bucket: str, knob: str) -> str:
+    """A PATCH knob's path in the config: ``models.0.buckets.1.batcher.max_num_seqs``, or
+    ``models.0.buckets.1.max_queue_len`` for the bucket's own; the knob alone for a bucket the
+    model does not have."""
+    names = [b.bucket_name for b in engine.models[model].config.buckets]
+    if bucket not in names:
+        return knob
+    position = names.index(bucket)
+    owner = "" if knob in BUCKET_LEVEL_KNOBS else "batcher."
+    return f"models.{_model_index(engine.config, model)}.buckets.{position}.{owner}{knob}"
 
 
 class BucketPatch(BaseModel):
@@ -301,17 +322,17 @@ def _validated(data: dict[str, Any]) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc, status_code=422) from None
+        raise config_validation_error(exc) from None
 
 
 def _configured(action: Any, *args: Any) -> Any:
     """Run an engine change; its ``ConfigError`` (KV pools over a slice's KV memory, or weights
-    plus KV over its ``memory_budget_bytes``) is a 422."""
+    plus KV over its ``memory_budget_bytes``) or ``ModelError`` (a source that loads nothing)
+    is a 422."""
     try:
         return action(*args)
-    except ConfigError as exc:
-        code = exc.code or "kv_cache_memory_exceeded"
-        raise APIError(422, str(exc), "invalid_request_error", param=exc.param, code=code) from None
+    except (ConfigError, ModelError) as exc:
+        raise to_api_error(exc) from None
 
 
 def _ready_model(engine: Engine, name: str) -> ServedModel:

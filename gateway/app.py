@@ -1,4 +1,5 @@
-"""The litestar app factory: lifespan starts and stops the engine; one place maps errors."""
+"""The litestar app factory: lifespan starts and stops the engine; one place maps errors
+(:func:`gateway.errors.to_api_error`); every request is logged once (:mod:`gateway.access_log`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from typing import Any
 
 import structlog
 from litestar import Litestar, Request, get
-from litestar.exceptions import HTTPException
+from litestar.datastructures import State
 from litestar.response import Response
 
 from buckets.bucket import Bucket
+from gateway.access_log import AccessLog
 from gateway.admin import AdminController
 from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardController
 from gateway.engine import Engine
-from gateway.errors import APIError, ConfigError
+from gateway.errors import APIError, ConfigError, is_domain_error, to_api_error
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
@@ -29,24 +31,13 @@ from gateway.routes.openai import OpenAIController
 log = structlog.get_logger(__name__)
 
 
-def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[Any]:
-    return Response(exc.body(), status_code=exc.status_code, headers=exc.headers or None)
-
-
-# Codes for litestar's own HTTP errors, in OpenAI's style.
-_HTTP_ERROR_CODES = {413: "request_too_large"}
-
-
-def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
-    """litestar's HTTP errors (404 path, 405 method, 413 body too large) in OpenAI's body shape."""
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    error = APIError(exc.status_code, str(exc.detail), kind, code=_HTTP_ERROR_CODES.get(exc.status_code))
-    return Response(error.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-def _unexpected_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    log.exception("unhandled_error", error=repr(exc))
-    return Response(APIError(500, "internal server error", "server_error").body(), status_code=500)
+def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Every error a handler raises, in OpenAI's body shape; an unexpected one is logged (a bug)."""
+    if not is_domain_error(exc):
+        log.exception("unhandled_error", error=repr(exc))
+        return Response(APIError(500, "internal server error", "server_error").body(), status_code=500)
+    error = to_api_error(exc)
+    return Response(error.body(), status_code=error.status_code, headers=error.headers or None)
 
 
 @get("/health")
@@ -99,6 +90,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         except ConfigError as exc:  # a layout over a slice's memory budget: say so, do not serve
             log.error("startup_failed", error=str(exc))
             raise
+        await app.state.router.warm()
         app.state.config_lock = asyncio.Lock()  # admin changes and the SLO tuner, one at a time
         tuning = asyncio.create_task(TuningLoop(engine, metrics, app.state.config_lock).run())
         log.info("gateway_ready", models=sorted(engine.models))
@@ -108,17 +100,14 @@ def create_app(config: GatewayConfig) -> Litestar:
             tuning.cancel()
             await asyncio.to_thread(engine.stop)
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[OpenAIController, AdminController, DashboardController, health, stats, metrics_endpoint],
         lifespan=[lifespan],
-        state=_state(engine, metrics),
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+        state=State({"engine": engine, "router": Router(engine), "metrics": metrics}),
+        exception_handlers={Exception: _error_response},
         request_max_body_size=int(config.max_request_body_bytes),
         plugins=[RequestBodySchemas()],
     )
-
-
-def _state(engine: Engine, metrics: Metrics) -> Any:
-    from litestar.datastructures import State
-
-    return State({"engine": engine, "router": Router(engine), "metrics": metrics})
+    # Around the whole handler, not as a route middleware: unknown paths (404) are logged too.
+    app.asgi_handler = AccessLog(app.asgi_handler, metrics.observe_http)
+    return app

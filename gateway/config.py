@@ -6,14 +6,13 @@ A bad file fails with the field path and the bad value, for example
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.errors import ConfigError
+from gateway.errors import BATCHER_KIND_TAGS, ConfigError
 
 # cpu, cuda:N, or a MIG instance's UUID (as nvidia-smi -L prints it; process slices only).
 DEVICE_PATTERN = r"^(cpu|cuda:\d+|MIG-[0-9A-Fa-f-]+)$"
@@ -275,7 +274,7 @@ def parse_config(data: object, origin: str = "<config>") -> GatewayConfig:
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            path = ".".join(str(p) for p in err["loc"] if not re.fullmatch(r"(dynamic|continuous)", str(p)))
+            path = ".".join(str(p) for p in err["loc"] if str(p) not in BATCHER_KIND_TAGS)
             if err["type"] == "value_error":
                 # Our validators word their own message as "relative.path: reason (value)".
                 message = err["msg"].removeprefix("Value error, ")

@@ -28,6 +28,7 @@ from buckets.bucket import Bucket
 from gateway.engine import Engine, ServedModel
 from gateway.errors import APIError, model_not_found
 from gateway.metrics import Metrics, RequestTiming
+from gateway.outcome import Outcome
 
 # Latency percentiles over the requests finished in the last minute; throughput over 10 s.
 LATENCY_WINDOW_S = 60.0
@@ -67,7 +68,7 @@ def summarize(timings: list[RequestTiming], now_s: float) -> dict[str, Any]:
     """Latency percentiles (seconds) of the ``ok`` requests finished in the last ``LATENCY_WINDOW_S``,
     and the requests and generated tokens per second finished in the last ``RATE_WINDOW_S``
     (``now_s`` on the same monotonic clock as ``finished_s``)."""
-    recent = [t for t in timings if now_s - t.finished_s <= LATENCY_WINDOW_S and t.outcome == "ok"]
+    recent = [t for t in timings if now_s - t.finished_s <= LATENCY_WINDOW_S and t.outcome == Outcome.OK]
     ttft = [t.ttft_s for t in recent if t.ttft_s is not None]
     tpot = [t.tpot_s for t in recent if t.tpot_s is not None]
     in_rate_window = [t for t in timings if now_s - t.finished_s <= RATE_WINDOW_S]
@@ -164,7 +165,7 @@ class DashboardController(Controller):
             raise APIError(404, f"No static file '{name}'", "not_found_error")
         return File(
             path=path,
-            media_type="text/javascript; charset=utf-8",
+            media_type="text/javascript",  # litestar adds the charset to a text/* type
             content_disposition_type="inline",
             headers={"Cache-Control": STATIC_CACHE_CONTROL},
         )

@@ -1,21 +1,30 @@
 """Gateway errors and their OpenAI-style HTTP form.
 
-Only the gateway maps errors to status codes. The body is OpenAI's shape:
-``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
+Only the gateway maps errors to status codes, in one place (:func:`to_api_error`). The body is
+OpenAI's shape: ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from buckets.errors import DeadlineUnmeetableError, QueueFullError, SliceUnavailableError
+from litestar.exceptions import HTTPException
+
+from buckets.errors import (
+    BucketClosedError, BucketError, DeadlineExceededError, DeadlineUnmeetableError, QueueFullError,
+    SliceUnavailableError, WorkerCrashedError,
+)
+from models.errors import ModelError
 
 # Union members show up in pydantic's error locations as their type's name ("str",
 # "list[str]"); they are not request fields, so a ``param`` leaves them out.
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
+# A config's batcher is a union tagged by its ``kind``; the tag shows up in error locations too.
+BATCHER_KIND_TAGS = frozenset({"dynamic", "continuous"})
 
 
 class ConfigError(Exception):
@@ -124,7 +133,7 @@ def slice_unavailable(model: str, bucket: str, exc: SliceUnavailableError) -> AP
     )
 
 
-def worker_crashed(error: Exception) -> APIError:
+def worker_crashed(error: WorkerCrashedError) -> APIError:
     """503 ``worker_crashed`` with ``Retry-After``: the worker process running the request died
     (the gateway restarts it)."""
     return APIError(
@@ -137,16 +146,30 @@ def worker_crashed(error: Exception) -> APIError:
 
 
 def validation_error(exc: ValidationError, status_code: int = 400) -> APIError:
-    """400 (or ``status_code``: 422 for admin changes) for a body that fails validation;
-    ``param`` is the dotted path of the field at fault.
+    """400 for a request body that fails validation; ``param`` is the dotted path of the field at
+    fault (see :func:`_deepest_error`)."""
+    param, message = _deepest_error(exc, _UNION_MEMBER_TAGS)
+    return APIError(status_code, f"{param}: {message}" if param else message, "invalid_request_error", param or None)
 
-    Of pydantic's errors the one with the deepest path is reported, so a list item that fails
-    every member of a union names the item (``input.1``) rather than the union (``input``).
-    A model-level validator words its message ``relative.path: reason`` (as the config's do);
-    that path is appended to the model's own.
-    """
+
+def config_validation_error(exc: ValidationError, field_path: Callable[[str], str] | None = None) -> APIError:
+    """422 ``invalid_config`` for an admin change that fails validation as a config; ``param`` is
+    the field's path in the config (``models.0.buckets.1.batcher.max_num_seqs``), with the
+    batcher's ``kind`` tag left out, and ``field_path`` maps it when ``exc`` validated a part
+    of the config (a PATCH body's knob name) rather than the whole."""
+    param, message = _deepest_error(exc, _UNION_MEMBER_TAGS | BATCHER_KIND_TAGS)
+    if field_path is not None:
+        param = field_path(param)
+    return APIError(422, f"{param}: {message}" if param else message, "invalid_request_error", param or None, "invalid_config")
+
+
+def _deepest_error(exc: ValidationError, tags: frozenset[str]) -> tuple[str, str]:
+    """``(param, message)`` of the one of pydantic's errors with the deepest path, so a list item
+    that fails every member of a union names the item (``input.1``) rather than the union
+    (``input``). A model-level validator words its message ``relative.path: reason`` (as the
+    config's do); that path is appended to the model's own."""
     errors = exc.errors()
-    paths = [error_param(err) for err in errors]
+    paths = [error_param(err, tags) for err in errors]
     index = max(range(len(errors)), key=lambda i: len(paths[i].split(".")) if paths[i] else 0)
     message = errors[index]["msg"].removeprefix("Value error, ")
     param = paths[index]
@@ -154,10 +177,58 @@ def validation_error(exc: ValidationError, status_code: int = 400) -> APIError:
     if relative:
         param = ".".join(p for p in (param, relative.group(1)) if p)
         message = message[relative.end():]
-    return APIError(status_code, f"{param}: {message}" if param else message, "invalid_request_error", param or None)
+    return param, message
 
 
-def error_param(err: ErrorDetails) -> str:
-    """``("messages", 2, "role")`` -> ``"messages.2.role"``, union member tags dropped."""
-    parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _UNION_MEMBER_TAGS or "[" in p))]
+def error_param(err: ErrorDetails, tags: frozenset[str] = _UNION_MEMBER_TAGS) -> str:
+    """``("messages", 2, "role")`` -> ``"messages.2.role"``, union member (and other ``tags``) left out."""
+    parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in tags or "[" in p))]
     return ".".join(parts)
+
+
+# Codes for litestar's own HTTP errors, in OpenAI's style.
+_HTTP_ERROR_CODES = {413: "request_too_large"}
+
+
+def to_api_error(exc: Exception, model: str = "", bucket: str = "", waited_s: float = 0.0) -> APIError:
+    """The HTTP form of an error: the one place domain errors become status codes.
+
+    Args:
+        exc: an :class:`APIError` (returned as it is), a ``buckets/`` error, a ``models/`` error,
+            a :class:`ConfigError`, a pydantic ``ValidationError`` or one of litestar's HTTP errors.
+        model, bucket: names for the message, where the error came from a bucket.
+        waited_s: seconds since the request arrived, for a timeout's message.
+    Returns:
+        429 with ``Retry-After`` for a full queue or an unmeetable deadline; 503 with
+        ``Retry-After`` for a restarting slice, a crashed worker or a replaced bucket; 504 for a
+        deadline that passed; 422 for an invalid config change; 400 for a body that fails
+        validation; 500 ``request failed`` for a failed batch and for any other exception (the
+        error a model's forward raised); litestar's status for its own errors.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return queue_full(model, bucket, exc)
+    if isinstance(exc, SliceUnavailableError):
+        return slice_unavailable(model, bucket, exc)
+    if isinstance(exc, WorkerCrashedError):
+        return worker_crashed(exc)
+    if isinstance(exc, DeadlineExceededError):
+        return deadline_exceeded(waited_s)
+    if isinstance(exc, BucketClosedError):
+        return model_unavailable(model, 1)
+    if isinstance(exc, ConfigError):
+        return APIError(422, str(exc), "invalid_request_error", exc.param, exc.code or "invalid_config")
+    if isinstance(exc, ModelError):
+        return APIError(422, str(exc), "invalid_request_error", code="invalid_model_source")
+    if isinstance(exc, ValidationError):
+        return validation_error(exc)
+    if isinstance(exc, HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind, code=_HTTP_ERROR_CODES.get(exc.status_code), headers=exc.headers)
+    return APIError(500, f"request failed: {exc}", "server_error")
+
+
+def is_domain_error(exc: Exception) -> bool:
+    """Whether :func:`to_api_error` knows ``exc``; any other exception reaching the edge is a bug."""
+    return isinstance(exc, (APIError, BucketError, ConfigError, ModelError, ValidationError, HTTPException))

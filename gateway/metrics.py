@@ -6,6 +6,10 @@ called where the request is logged); batch shapes once per forward from the work
 (outcomes, preemptions) and current state (queue depth, KV usage, slice busy ratio) are read from
 the buckets' stats at scrape time by :class:`EngineCollector`, so the step loop pays nothing for them.
 
+Requests no bucket took (a 400 before routing, a 404) are counted by :meth:`Metrics.observe_http`
+with an empty ``bucket`` label. Embedding (dynamic) buckets export no generation-only series
+(time to first token, time per output token, generated tokens, preemptions, KV usage).
+
 Names follow vLLM's where one exists (``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
 ``request_queue_time_seconds``, ``kv_cache_usage_ratio``), prefixed ``sluice_``.
 """
@@ -21,12 +25,14 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from buckets.request import Request
+from buckets.request import GenerationRequest, Request
+from gateway.outcome import outcome_of_status
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The Prometheus text format's media type; litestar adds ``charset=utf-8`` to a text/* type itself.
+CONTENT_TYPE = "text/plain; version=0.0.4"
 LABELS = ("model", "bucket")
 # Seconds: vLLM's TTFT buckets, reaching further for CPU prefills.
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -118,9 +124,11 @@ class Metrics:
         self.generation_tokens = Counter(
             "sluice_generation_tokens", "Generated tokens of finished requests.", LABELS, registry=registry
         )
-        registry.register(EngineCollector(engine))
+        self._engine = engine
         self._recent: dict[tuple[str, str], deque[RequestTiming]] = {}
+        self._unrouted: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
+        registry.register(EngineCollector(engine, self.unrouted_counts))
 
     def observe_request(self, model: str, request: Request, completion_tokens: int, outcome: str) -> None:
         """Record a finished request (any outcome) once; latencies only where it reached that stage."""
@@ -129,13 +137,16 @@ class Metrics:
             return  # refused before routing
         labels = (model, bucket)
         timing = request_timing(request, completion_tokens, outcome)
-        for histogram, value in (
-            (self.ttft, timing.ttft_s), (self.itl, timing.tpot_s), (self.e2e, timing.e2e_s), (self.queue_time, timing.queue_s),
-        ):
+        observed = [(self.e2e, timing.e2e_s), (self.queue_time, timing.queue_s)]
+        is_generation = isinstance(request, GenerationRequest)
+        if is_generation:
+            observed += [(self.ttft, timing.ttft_s), (self.itl, timing.tpot_s)]
+        for histogram, value in observed:
             if value is not None and (outcome == "ok" or histogram is self.queue_time):
                 histogram.labels(*labels).observe(value)
         self.prompt_tokens.labels(*labels).inc(request.num_prompt_tokens)
-        self.generation_tokens.labels(*labels).inc(completion_tokens)
+        if is_generation:
+            self.generation_tokens.labels(*labels).inc(completion_tokens)
         with self._lock:
             self._recent.setdefault(labels, deque(maxlen=RECENT_REQUESTS)).append(timing)
 
@@ -153,6 +164,23 @@ class Metrics:
 
         return observe
 
+    def observe_http(self, path: str, status: int, model: str | None) -> None:
+        """Count an API request answered before any bucket took it (``status`` 404: ``not_found``,
+        another 4xx but 429 and 499: ``invalid_request``). The ``model`` label is the body's
+        model only when it is served (clients cannot add series), else empty."""
+        outcome = outcome_of_status(status)
+        if outcome is None or not path.startswith("/v1/"):
+            return
+        label = model if model is not None and model in self._engine.models else ""
+        with self._lock:
+            key = (label, outcome.value)
+            self._unrouted[key] = self._unrouted.get(key, 0) + 1
+
+    def unrouted_counts(self) -> dict[tuple[str, str], int]:
+        """``(model, outcome) -> count`` of the requests :meth:`observe_http` counted."""
+        with self._lock:
+            return dict(self._unrouted)
+
     def recent(self, model: str, bucket: str) -> list[RequestTiming]:
         """The last ``RECENT_REQUESTS`` finished requests of a bucket, oldest first."""
         with self._lock:
@@ -167,8 +195,9 @@ class EngineCollector:
     """Reads the buckets' stats at scrape time: request outcomes, preemptions, queue depth, running
     sequences, KV usage, and each slice's busy ratio."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, unrouted_counts: Callable[[], dict[tuple[str, str], int]]):
         self.engine = engine
+        self.unrouted_counts = unrouted_counts
 
     def describe(self) -> list[Metric]:
         return []
@@ -188,10 +217,13 @@ class EngineCollector:
                     ("cancelled", stats.num_cancelled), ("error", stats.num_failed),
                 ):
                     requests.add_metric([*labels, outcome], count)
-                preemptions.add_metric(labels, stats.num_preemptions)
                 waiting.add_metric(labels, stats.num_waiting)
                 running.add_metric(labels, stats.num_running)
-                kv_usage.add_metric(labels, stats.kv_usage)
+                if stats.kind == "continuous":
+                    preemptions.add_metric(labels, stats.num_preemptions)
+                    kv_usage.add_metric(labels, stats.kv_usage)
+        for (model, outcome), count in sorted(self.unrouted_counts().items()):
+            requests.add_metric([model, "", outcome], count)
         busy = GaugeMetricFamily("sluice_slice_busy_ratio", "Share of the last 10 s the slice's worker stepped.", labels=["slice"])
         busy_s = CounterMetricFamily("sluice_slice_busy_seconds", "Seconds the slice's worker spent stepping.", labels=["slice"])
         for slice_name, device_slice in self.engine.slices.items():

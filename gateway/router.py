@@ -1,26 +1,58 @@
-"""Tokenizing once and routing a prompt to its model's bucket."""
+"""Routing a request: its model, its tokens, its bucket, its admission.
+
+Refusals stay cheap under a burst: a prompt is bounded by its length in bytes before it is
+tokenized, and when every bucket that could hold it is full it is refused (429) without being
+tokenized; a short prompt is tokenized on the event loop (tens of microseconds, less than a hop
+to a thread), a long one on a worker thread, with no lock shared between models or threads.
+"""
 
 from __future__ import annotations
 
-import re
-import threading
-import uuid
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from buckets.bucket import Bucket
+from buckets.errors import BucketClosedError, BucketError
+from buckets.request import Request
 from gateway.engine import Engine, ServedModel
-from gateway.errors import invalid_request, model_not_found, model_unavailable
-from gateway.schemas import ChatMessage
+from gateway.errors import invalid_request, model_not_found, model_unavailable, queue_full, to_api_error
+from gateway.prompts import Message, PromptEncoder
+
+# A layout can be replaced between routing and submitting; a request routes again this often.
+MAX_ROUTE_ATTEMPTS = 3
+# Prompts bounded by at most this many tokens are tokenized on the event loop (about 0.1 ms).
+MAX_INLINE_PROMPT_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A generation request's prompt before tokenizing: a completion's ``text``, or chat
+    ``messages`` (rendered through the model's chat template)."""
+
+    text: str | None = None
+    messages: Sequence[Message] = ()
+
+    @property
+    def param(self) -> str:
+        """The body field a prompt error names."""
+        return "prompt" if self.text is not None else "messages"
+
+
+# (prompt token ids, max_tokens) -> the core request to queue.
+RequestFactory = Callable[[list[int], int], Request]
+# prompt tokens -> max_tokens (raises APIError 400 over the model's cap).
+TokenBudget = Callable[[int], int]
 
 
 class Router:
-    """Looks models up, tokenizes prompts, and picks the smallest bucket that holds them."""
-
-    # A fast tokenizer keeps ``split_special_tokens`` as state of its Rust backend, set by each
-    # call; prompts are tokenized on worker threads, so one call at a time sets it and encodes.
-    _encode_lock = threading.Lock()
+    """Looks models up, tokenizes prompts, picks the smallest bucket that holds them and admits
+    them there, routing again when a layout change replaced the bucket in between."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self._encoders: dict[int, PromptEncoder] = {}
+        self._building: dict[int, asyncio.Future[PromptEncoder]] = {}
 
     def model(self, name: str, task: str) -> ServedModel:
         """The served model called ``name`` for ``task``.
@@ -38,42 +70,106 @@ class Router:
             raise invalid_request(f"The model '{name}' does not support {task}", param="model", code="wrong_task")
         return served
 
-    @staticmethod
-    def tokenize(served: ServedModel, text: str) -> list[int]:
-        """Token ids of user text, with the tokenizer's usual special tokens (BOS, CLS/SEP) added.
+    async def encoder(self, served: ServedModel) -> PromptEncoder:
+        """The lock-free encoder of ``served``'s tokenizer, built once per tokenizer on a worker
+        thread (copying a tokenizer takes a while; the first requests wait for the same copy)."""
+        tokenizer = served.loaded.tokenizer
+        key = id(tokenizer)
+        encoder = self._encoders.get(key)
+        if encoder is not None and encoder.tokenizer is tokenizer:
+            return encoder
+        building = self._building.get(key)
+        if building is None:
+            building = self._building[key] = asyncio.ensure_future(asyncio.to_thread(PromptEncoder, tokenizer))
+        try:
+            encoder = await asyncio.shield(building)
+        finally:
+            if building.done():
+                self._building.pop(key, None)
+        served_tokenizers = {id(m.loaded.tokenizer) for m in list(self.engine.models.values())}
+        self._encoders = {k: e for k, e in self._encoders.items() if k in served_tokenizers}  # unloaded models'
+        self._encoders[key] = encoder
+        return encoder
 
-        Control-token strings inside ``text`` (``<|im_end|>``, ``[SEP]``) are tokenized as plain
-        text, never as the control tokens themselves.
-        """
-        with Router._encode_lock:
-            return list(served.loaded.tokenizer(text, split_special_tokens=True).input_ids)
+    async def warm(self) -> None:
+        """Build the encoders of every served model (called once the models are loaded)."""
+        await asyncio.gather(*(self.encoder(served) for served in list(self.engine.models.values())))
 
-    @staticmethod
-    def tokenize_chat(served: ServedModel, messages: list[ChatMessage]) -> list[int]:
-        """Token ids of the chat template applied to ``messages``, with the generation prompt.
-
-        The template is rendered with a placeholder for each message's content; the template's
-        own text is tokenized with its control tokens, each content as plain text (control-token
-        strings in it split), and the pieces are joined. A conversation without control-token
-        strings tokenizes as the whole rendered template does, except where a content's leading
-        or trailing whitespace would merge with the template's across the seam.
+    async def submit(
+        self, served: ServedModel, prompt: Prompt, budget: TokenBudget, deadline_s: float | None, build: RequestFactory
+    ) -> Request:
+        """Tokenize ``prompt``, build its request with ``build(ids, budget(len(ids)))``, and
+        queue it on its bucket. Returns the queued request.
 
         Raises:
-            APIError: 400 (``messages``) when the model has no chat template.
+            APIError: 429 ``queue_full`` (``Retry-After``) when the bucket is full, before
+                tokenizing when every bucket the prompt could go to is full; 400 for an empty
+                prompt, a missing chat template, or the limits of :meth:`route`; 503 when the
+                bucket's slice is restarting or every attempt met a replaced bucket.
         """
-        tokenizer = served.loaded.tokenizer
-        if not tokenizer.chat_template:
-            raise invalid_request(f"The model '{served.config.name}' has no chat template", param="messages")
-        nonce = uuid.uuid4().hex
-        placeholders = [{"role": m.role, "content": f"@@{nonce}:{i}@@"} for i, m in enumerate(messages)]
-        text = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
-        ids: list[int] = []
-        with Router._encode_lock:
-            for index, piece in enumerate(re.split(f"@@{nonce}:(\\d+)@@", text)):
-                is_content = index % 2 == 1  # re.split puts the captured message index at odd positions
-                content = messages[int(piece)].content if is_content else piece
-                ids += tokenizer(content, add_special_tokens=False, split_special_tokens=is_content).input_ids
-        return ids
+        encoder = await self.encoder(served)
+        if prompt.text is not None:
+            pieces = encoder.text_pieces(prompt.text)
+        else:
+            pieces = encoder.chat_pieces(prompt.messages, served.config.name)
+        max_prompt_tokens = encoder.max_num_tokens(pieces)
+        self._refuse_when_full(served, max_prompt_tokens, max_prompt_tokens + budget(1), deadline_s)
+        if max_prompt_tokens <= MAX_INLINE_PROMPT_TOKENS:
+            ids = encoder.encode(pieces)
+        else:
+            ids = await asyncio.to_thread(encoder.encode, pieces)
+        max_tokens = budget(len(ids))
+        if not ids:
+            raise invalid_request("The prompt tokenizes to no tokens", param=prompt.param)
+        request = build(ids, max_tokens)
+        self.enqueue(served, request, max_tokens, prompt.param)
+        return request
+
+    async def tokenize_all(self, served: ServedModel, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each of ``texts`` (embedding inputs), with the usual special tokens."""
+        encoder = await self.encoder(served)
+        pieces = [encoder.text_pieces(text) for text in texts]
+        if sum(encoder.max_num_tokens(p) for p in pieces) <= MAX_INLINE_PROMPT_TOKENS:
+            return [encoder.encode(p) for p in pieces]
+        return await asyncio.to_thread(lambda: [encoder.encode(p) for p in pieces])
+
+    def enqueue(self, served: ServedModel, request: Request, max_tokens: int, param: str) -> Bucket:
+        """Queue ``request`` on the bucket :meth:`route` picks, routing again when a layout change
+        closed that bucket in between. Returns the bucket.
+
+        Raises:
+            APIError: 429 when the bucket's queue is full; 503 when its slice is restarting or
+                every attempt met a closed bucket; the 400s of :meth:`route`.
+        """
+        for _ in range(MAX_ROUTE_ATTEMPTS):
+            bucket = self.route(served, request.num_prompt_tokens, max_tokens, param)
+            try:
+                bucket.submit(request)
+                return bucket
+            except BucketClosedError:
+                continue
+            except BucketError as exc:
+                raise to_api_error(exc, served.config.name, bucket.name) from None
+        raise model_unavailable(served.config.name, 1)
+
+    @staticmethod
+    def _refuse_when_full(served: ServedModel, max_prompt_tokens: int, max_total_tokens: int, deadline_s: float | None) -> None:
+        """Raise the 429 every bucket a prompt of at most ``max_prompt_tokens`` (and at most
+        ``max_total_tokens`` with its generation) could go to would give it; nothing when one
+        may take it, or when the prompt might fail a limit of :meth:`route` (that 400 comes first)."""
+        table = served.table
+        last = table.pick(max_prompt_tokens)
+        if last is None or max_total_tokens > served.config.max_model_len:
+            return
+        candidates = table.buckets[: table.buckets.index(last) + 1]
+        if any(b.kv_capacity_tokens is not None and max_total_tokens > b.kv_capacity_tokens for b in candidates):
+            return
+        refusals = [b.admission.refusal(1, None if deadline_s is None else deadline_s - b.admission.clock()) for b in candidates]
+        refusal = refusals[-1]
+        if refusal is None or any(r is None for r in refusals) or last.closed:
+            return
+        last.admission.count_refusal()
+        raise queue_full(served.config.name, last.name, refusal)
 
     @staticmethod
     def route(served: ServedModel, num_prompt_tokens: int, max_tokens: int, param: str) -> Bucket:
@@ -111,5 +207,5 @@ class Router:
 
     @staticmethod
     def default_max_tokens(served: ServedModel, num_prompt_tokens: int) -> int:
+        """A chat request's budget without ``max_tokens``: up to the model's ``max_model_len``."""
         return max(1, served.config.max_model_len - num_prompt_tokens)
-

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-from buckets.request import EmbeddingEvent, ErrorEvent, Request, RequestEvent, TokenEvent
+from buckets.request import Request, RequestEvent
+
+
+class InterruptReason(Enum):
+    """Why the wait for a request's events ended on the event loop's side."""
+
+    TIMEOUT = "timeout"  # the request's deadline passed
+    DISCONNECTED = "disconnected"  # the client hung up
 
 
 @dataclass(frozen=True)
 class Interrupt:
-    """The wait for a request's events ended on the event loop's side.
+    """The wait for a request's events ended on the event loop's side; the core request has
+    been cancelled."""
 
-    ``reason`` is ``"timeout"`` (the request's deadline passed) or ``"disconnected"`` (the
-    client hung up). Either way the core request has been cancelled.
-    """
-
-    reason: str
+    reason: InterruptReason
 
 
 ChannelItem = RequestEvent | Interrupt
@@ -41,28 +46,13 @@ class EventChannel:
         """Called by the worker thread: hand the event to the loop (never blocks)."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
-    def interrupt(self, reason: str) -> None:
-        """Called on the loop: end :meth:`events` with an :class:`Interrupt` after what is queued."""
+    def interrupt(self, reason: InterruptReason) -> None:
+        """Called on the loop: queue an :class:`Interrupt` after what is queued."""
         self._queue.put_nowait(Interrupt(reason))
 
     async def next(self) -> ChannelItem:
         """The next event or interrupt."""
         return await self._queue.get()
-
-    async def events(self) -> AsyncIterator[ChannelItem]:
-        """Yield events until the final one (finished token event, embedding, error, or interrupt)."""
-        while True:
-            item = await self._queue.get()
-            yield item
-            if is_final(item):
-                return
-
-
-def is_final(item: ChannelItem) -> bool:
-    """Whether nothing follows ``item`` for its request."""
-    if isinstance(item, (EmbeddingEvent, ErrorEvent, Interrupt)):
-        return True
-    return isinstance(item, TokenEvent) and item.finish_reason is not None
 
 
 class RequestWatch:
@@ -92,26 +82,26 @@ class RequestWatch:
     ):
         self._requests = requests
         self._channels = channels
-        self.reason: str | None = None
+        self.reason: InterruptReason | None = None
         loop = asyncio.get_running_loop()
         self._timer = None
         if deadline_s is not None:
-            self._timer = loop.call_later(max(0.0, deadline_s - time.monotonic()), self._fire, "timeout")
+            self._timer = loop.call_later(max(0.0, deadline_s - time.monotonic()), self._fire, InterruptReason.TIMEOUT)
         self._watcher = asyncio.ensure_future(self._watch(receive)) if receive is not None else None
 
     async def _watch(self, receive: Callable[[], Any]) -> None:
         while True:
             message = await receive()
             if message.get("type") == "http.disconnect":
-                self._fire("disconnected")
+                self._fire(InterruptReason.DISCONNECTED)
                 return
 
-    def _fire(self, reason: str) -> None:
+    def _fire(self, reason: InterruptReason) -> None:
         if self.reason is not None:
             return
         self.reason = reason
         for request in self._requests:
-            request.cancel("timeout" if reason == "timeout" else "cancelled")
+            request.cancel("timeout" if reason is InterruptReason.TIMEOUT else "cancelled")
         for channel in self._channels:
             channel.interrupt(reason)
 

@@ -1,4 +1,8 @@
-"""Turning a request's events into OpenAI responses (whole or SSE chunks), deadlines and hang-ups included."""
+"""Turning a request's events into OpenAI responses (whole or SSE chunks), deadlines and hang-ups included.
+
+Each request is logged once, with the outcome derived from the last item its wait saw
+(:func:`gateway.outcome.outcome_of`).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from buckets.errors import DeadlineExceededError, WorkerCrashedError
 from buckets.request import ErrorEvent, GenerationRequest, Request as CoreRequest, RequestEvent, TokenEvent
 from gateway.engine import ServedModel
-from gateway.errors import APIError, deadline_exceeded, worker_crashed
-from gateway.streams import ChannelItem, EventChannel, Interrupt, RequestWatch
+from gateway.errors import APIError, deadline_exceeded, to_api_error
+from gateway.outcome import outcome_of
+from gateway.response_format import ResponseFormat
+from gateway.streams import ChannelItem, EventChannel, Interrupt, InterruptReason, RequestWatch
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -22,9 +27,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _envelope(served: ServedModel, request: GenerationRequest, chat: bool, chunk: bool) -> dict[str, Any]:
-    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-    return {"id": request.request_id, "object": kind, "created": int(time.time()), "model": served.config.name}
+def _envelope(served: ServedModel, request: GenerationRequest, fmt: ResponseFormat, is_chunk: bool) -> dict[str, Any]:
+    return {"id": request.request_id, "object": fmt.object_name(is_chunk), "created": int(time.time()), "model": served.config.name}
+
+
+def finish(served: ServedModel, request: CoreRequest, completion_tokens: int, last: ChannelItem | None, watch: RequestWatch) -> None:
+    """Log ``request`` once, its outcome derived from ``last``, the final item its wait saw."""
+    served.finish(request, completion_tokens, outcome_of(last, watch.reason).value)
 
 
 async def first_event(
@@ -34,8 +43,8 @@ async def first_event(
 
     Raises:
         APIError: 504 ``timeout`` when the deadline passed first; 499 when the client hung up
-            first; 500 when the core failed the request. In each case the request is cancelled,
-            the watch closed and the outcome logged.
+            first; 500 (503 for a crashed worker) when the core failed the request. In each case
+            the request is cancelled, the watch closed and the outcome logged.
     """
     try:
         item = await channel.next()
@@ -46,36 +55,26 @@ async def first_event(
     if isinstance(item, (Interrupt, ErrorEvent)):
         request.cancel()
         watch.close()
-        raise _failure(served, request, item)
+        raise _failure(served, request, item, watch)
     return item
 
 
-def _failure(served: ServedModel, request: CoreRequest, item: Interrupt | ErrorEvent) -> APIError:
+def _failure(served: ServedModel, request: CoreRequest, item: Interrupt | ErrorEvent, watch: RequestWatch) -> APIError:
     """Log a request that ended without a result, and the error its client gets."""
-    if isinstance(item, Interrupt) and item.reason == "disconnected":
-        served.finish(request, 0, "cancelled")
+    finish(served, request, 0, item, watch)
+    if isinstance(item, Interrupt) and item.reason is InterruptReason.DISCONNECTED:
         return APIError(499, "the client closed the request", "invalid_request_error", code="client_closed_request")
-    if isinstance(item, Interrupt) or isinstance(item.error, DeadlineExceededError):
-        served.finish(request, 0, "timeout")
-        waited_s = time.monotonic() - request.timeline.get("arrival", time.monotonic())
+    waited_s = time.monotonic() - request.timeline.get("arrival", time.monotonic())
+    if isinstance(item, Interrupt):
         return deadline_exceeded(waited_s)
-    served.finish(request, 0, "error")
-    return core_failure(item.error)
-
-
-def core_failure(error: Exception) -> APIError:
-    """The API error of a request the core failed: 503 with ``Retry-After`` when its slice's
-    worker process died (:class:`WorkerCrashedError`), else 500."""
-    if isinstance(error, WorkerCrashedError):
-        return worker_crashed(error)
-    return APIError(500, f"request failed: {error}", "server_error")
+    return to_api_error(item.error, waited_s=waited_s)
 
 
 async def collect_response(
     served: ServedModel,
     request: GenerationRequest,
     channel: EventChannel,
-    chat: bool,
+    fmt: ResponseFormat,
     first: TokenEvent,
     watch: RequestWatch,
     return_token_ids: bool = False,
@@ -95,11 +94,11 @@ async def collect_response(
     item: ChannelItem = first
     try:
         while True:
-            if isinstance(item, Interrupt) and item.reason == "timeout":
+            if isinstance(item, Interrupt) and item.reason is InterruptReason.TIMEOUT:
                 finish_reason = "timeout"
                 break
             if isinstance(item, (Interrupt, ErrorEvent)):
-                raise _failure(served, request, item)
+                raise _failure(served, request, item, watch)
             assert isinstance(item, TokenEvent)
             pieces.append(item.text)
             token_ids.extend(item.token_ids)
@@ -111,26 +110,13 @@ async def collect_response(
     finally:
         watch.close()
         request.cancel()  # no-op once finished; frees the sequence if the client went away
-    served.finish(request, num_completion_tokens, _outcome(finish_reason))
-    text = "".join(pieces)
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    finish(served, request, num_completion_tokens, item, watch)
+    choice = fmt.choice("".join(pieces), finish_reason)
     if return_token_ids:
         choice.update(prompt_token_ids=request.prompt_token_ids, token_ids=token_ids)
-    body = _envelope(served, request, chat, chunk=False)
+    body = _envelope(served, request, fmt, is_chunk=False)
     body.update(choices=[choice], usage=_usage(request.num_prompt_tokens, num_completion_tokens))
     return body
-
-
-def _outcome(finish_reason: str | None) -> str:
-    return "timeout" if finish_reason == "timeout" else "ok"
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -138,16 +124,12 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def _chunk(served: ServedModel, request: GenerationRequest, chat: bool, text: str | None, finish: str | None, role: bool = False) -> str:
-    body = _envelope(served, request, chat, chunk=True)
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    body["choices"] = [choice]
+def _chunk(
+    served: ServedModel, request: GenerationRequest, fmt: ResponseFormat, text: str | None, finish_reason: str | None,
+    has_role: bool = False,
+) -> str:
+    body = _envelope(served, request, fmt, is_chunk=True)
+    body["choices"] = [fmt.chunk_choice(text, finish_reason, has_role)]
     return _sse(body)
 
 
@@ -155,7 +137,7 @@ async def stream_response(
     served: ServedModel,
     request: GenerationRequest,
     channel: EventChannel,
-    chat: bool,
+    fmt: ResponseFormat,
     include_usage: bool,
     first: TokenEvent,
     watch: RequestWatch,
@@ -163,33 +145,30 @@ async def stream_response(
     """SSE events from the ``first`` event on: a chunk per text delta, the last one with
     ``finish_reason`` (``timeout`` when the deadline passed mid-generation), optionally a usage
     chunk, then ``data: [DONE]``. A client that disconnects cancels the request."""
-    outcome, completion_tokens = "cancelled", 0
+    completion_tokens = 0
     item: ChannelItem = first
     try:
-        if chat:
-            yield _chunk(served, request, chat, "", None, role=True)
+        if fmt is ResponseFormat.CHAT:
+            yield _chunk(served, request, fmt, "", None, has_role=True)
         while True:
-            if isinstance(item, Interrupt) and item.reason != "timeout":
+            if isinstance(item, Interrupt) and item.reason is InterruptReason.DISCONNECTED:
                 break  # the client hung up before the stream began
+            finish_reason: str | None
             if isinstance(item, Interrupt):
-                outcome = "timeout"
-                yield _chunk(served, request, chat, None if chat else "", "timeout")
-                finish_reason: str | None = "timeout"
+                finish_reason = "timeout"
+                yield _chunk(served, request, fmt, None if fmt is ResponseFormat.CHAT else "", finish_reason)
             elif isinstance(item, ErrorEvent):
-                outcome = "error"
-                error = core_failure(item.error)
-                yield _sse(error.body())
+                yield _sse(to_api_error(item.error).body())
                 break
             else:
+                assert isinstance(item, TokenEvent)
                 completion_tokens = item.num_completion_tokens
                 finish_reason = item.finish_reason
                 if item.text or finish_reason:
-                    yield _chunk(served, request, chat, item.text, finish_reason)
-                if finish_reason is not None:
-                    outcome = _outcome(finish_reason)
+                    yield _chunk(served, request, fmt, item.text, finish_reason)
             if finish_reason is not None:
                 if include_usage:
-                    usage = _envelope(served, request, chat, chunk=True)
+                    usage = _envelope(served, request, fmt, is_chunk=True)
                     usage.update(choices=[], usage=_usage(request.num_prompt_tokens, completion_tokens))
                     yield _sse(usage)
                 break
@@ -198,4 +177,4 @@ async def stream_response(
     finally:
         watch.close()
         request.cancel()
-        served.finish(request, completion_tokens, outcome)
+        finish(served, request, completion_tokens, item, watch)

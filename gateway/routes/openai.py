@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import json
 import struct
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from litestar import Controller, Request, get, post
 from litestar.response import Response, Stream
 from pydantic import BaseModel, ValidationError
 
-from buckets.bucket import Bucket
-from buckets.errors import BucketClosedError, QueueFullError, SliceUnavailableError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest, TokenEvent
+from gateway.access_log import note
 from gateway.engine import ServedModel
-from gateway.errors import APIError, invalid_request, model_unavailable, queue_full, slice_unavailable, validation_error
-from gateway.router import Router
-from gateway.routes.generation import collect_response, first_event, stream_response
+from gateway.errors import APIError, invalid_request, validation_error
+from gateway.response_format import ResponseFormat
+from gateway.router import Prompt, Router, TokenBudget
+from gateway.routes.generation import collect_response, finish, first_event, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
 from models.step_io import SamplingParams
@@ -46,6 +44,8 @@ async def parse_body(request: Request[Any, Any, Any], schema: type[BodyT]) -> Bo
         raise invalid_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object", code="invalid_json")
+    if isinstance(data.get("model"), str):
+        note(request.scope, model=data["model"])  # for the access log, a body that fails validation included
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -127,9 +127,10 @@ class OpenAIController(Controller):
         served = router.model(body.model, "generate")
         check_priority(router, body.priority)
         deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
-        prompt_ids = await asyncio.to_thread(router.tokenize, served, body.prompt)
         max_tokens = resolve_max_tokens(served, body.max_tokens, 16, "max_tokens")
-        return await _generate(request, router, served, body, prompt_ids, max_tokens, "prompt", chat=False, arrival_s=arrival_s, deadline_s=deadline_s)
+        budget: TokenBudget = lambda _: max_tokens  # noqa: E731
+        prompt = Prompt(text=body.prompt)
+        return await _generate(request, router, served, body, prompt, budget, ResponseFormat.COMPLETION, arrival_s, deadline_s)
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
@@ -139,10 +140,13 @@ class OpenAIController(Controller):
         served = router.model(body.model, "generate")
         check_priority(router, body.priority)
         deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
-        prompt_ids = await asyncio.to_thread(router.tokenize_chat, served, body.messages)
         param, requested = _chat_max_tokens(body)
-        max_tokens = resolve_max_tokens(served, requested, router.default_max_tokens(served, len(prompt_ids)), param)
-        return await _generate(request, router, served, body, prompt_ids, max_tokens, "messages", chat=True, arrival_s=arrival_s, deadline_s=deadline_s)
+
+        def budget(num_prompt_tokens: int) -> int:
+            return resolve_max_tokens(served, requested, router.default_max_tokens(served, num_prompt_tokens), param)
+
+        prompt = Prompt(messages=body.messages)
+        return await _generate(request, router, served, body, prompt, budget, ResponseFormat.CHAT, arrival_s, deadline_s)
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -154,14 +158,13 @@ class OpenAIController(Controller):
         deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         texts = body.inputs()
         check_num_inputs(served, len(texts))
-        token_lists = await asyncio.to_thread(lambda: [router.tokenize(served, t) for t in texts])
+        token_lists = await router.tokenize_all(served, texts)
         for ids in token_lists:  # all inputs fit, or none is queued
             router.route(served, len(ids), 0, "input")
         submitted: list[tuple[EmbeddingRequest, EventChannel]] = []
         try:
             for ids in token_lists:
-                route = functools.partial(router.route, served, len(ids), 0, "input")
-                submitted.append(_submit_embedding(served, route, ids, body.priority, arrival_s, deadline_s))
+                submitted.append(_submit_embedding(router, served, ids, body.priority, arrival_s, deadline_s))
         except APIError:
             for queued, _ in submitted:
                 queued.cancel()  # all inputs or none: the batcher drops them unrun
@@ -197,35 +200,8 @@ def _base64_floats(values: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
 
 
-# A layout can be replaced between routing and submitting; a request routes again this often.
-MAX_ROUTE_ATTEMPTS = 3
-
-
-def submit(served: ServedModel, route: Callable[[], Bucket], request: CoreRequest) -> None:
-    """Queue ``request`` on the bucket ``route()`` picks, routing again when a layout change
-    closed that bucket in between.
-
-    Raises:
-        APIError: 429 ``queue_full`` with ``Retry-After`` when the bucket's queue is full; 503
-            when every attempt met a closed bucket, or the bucket's slice worker process is
-            restarting (``slice_unavailable``); the 400s of ``route``.
-    """
-    for _ in range(MAX_ROUTE_ATTEMPTS):
-        bucket = route()
-        try:
-            bucket.submit(request)
-            return
-        except BucketClosedError:
-            continue
-        except QueueFullError as exc:
-            raise queue_full(served.config.name, bucket.name, exc) from None
-        except SliceUnavailableError as exc:
-            raise slice_unavailable(served.config.name, bucket.name, exc) from None
-    raise model_unavailable(served.config.name, 1)
-
-
 def _submit_embedding(
-    served: ServedModel, route: Callable[[], Bucket], token_ids: list[int], priority: int, arrival_s: float, deadline_s: float | None
+    router: Router, served: ServedModel, token_ids: list[int], priority: int, arrival_s: float, deadline_s: float | None
 ) -> tuple[EmbeddingRequest, EventChannel]:
     channel = EventChannel()
     request = EmbeddingRequest(
@@ -236,7 +212,7 @@ def _submit_embedding(
         deadline_s=deadline_s,
     )
     request.timeline["arrival"] = arrival_s
-    submit(served, route, request)
+    router.enqueue(served, request, 0, "input")
     return request, channel
 
 
@@ -248,7 +224,7 @@ async def _embed_one(served: ServedModel, request: EmbeddingRequest, channel: Ev
     """
     event = await first_event(served, request, channel, watch)
     assert isinstance(event, EmbeddingEvent)
-    served.finish(request, 0, "ok")
+    finish(served, request, 0, event, watch)
     return event.embedding
 
 
@@ -257,10 +233,9 @@ async def _generate(
     router: Router,
     served: ServedModel,
     body: CompletionBody | ChatCompletionBody,
-    prompt_ids: list[int],
-    max_tokens: int,
-    prompt_param: str,
-    chat: bool,
+    prompt: Prompt,
+    budget: TokenBudget,
+    fmt: ResponseFormat,
     arrival_s: float,
     deadline_s: float | None,
 ) -> Response[Any] | Stream:
@@ -269,25 +244,26 @@ async def _generate(
     Waiting for the first token before the response starts lets a queued request that times
     out, or fails, get its status code (504, 500) even when it streams.
     """
-    if not prompt_ids:
-        raise invalid_request("The prompt tokenizes to no tokens", param=prompt_param)
-    route = functools.partial(router.route, served, len(prompt_ids), max_tokens, prompt_param)
     params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed)
     channel = EventChannel()
-    prefix = "chatcmpl" if chat else "cmpl"
-    request = GenerationRequest(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-        prompt_token_ids=prompt_ids,
-        sink=channel.sink,
-        priority=body.priority,
-        deadline_s=deadline_s,
-        max_tokens=max_tokens,
-        params=params,
-        stop=body.stop_strings(),
-        ignore_eos=body.ignore_eos,
-    )
-    request.timeline["arrival"] = arrival_s
-    submit(served, route, request)
+
+    def build(prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+        request = GenerationRequest(
+            request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt_ids,
+            sink=channel.sink,
+            priority=body.priority,
+            deadline_s=deadline_s,
+            max_tokens=max_tokens,
+            params=params,
+            stop=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
+        )
+        request.timeline["arrival"] = arrival_s
+        return request
+
+    request = await router.submit(served, prompt, budget, deadline_s, build)
+    assert isinstance(request, GenerationRequest)
     watch = RequestWatch([request], [channel], deadline_s, http_request.receive)
     first = await first_event(served, request, channel, watch)
     assert isinstance(first, TokenEvent)
@@ -296,11 +272,11 @@ async def _generate(
         watch.stop_disconnect_watch()  # the streaming response listens for the hang-up itself
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
-            stream_response(served, request, channel, chat, include_usage, first, watch),
+            stream_response(served, request, channel, fmt, include_usage, first, watch),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **headers},
         )
-    body_out = await collect_response(served, request, channel, chat, first, watch, body.return_token_ids)
+    body_out = await collect_response(served, request, channel, fmt, first, watch, body.return_token_ids)
     return Response(body_out, headers=headers)
 
 

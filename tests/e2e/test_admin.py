@@ -65,12 +65,12 @@ def test_admin_calls_need_the_bearer_token(server: Server) -> None:
 def test_the_admin_api_is_off_without_a_token_unless_loopback_is_allowed() -> None:
     with pytest.raises(APIError) as off:
         check_admin_token(f"Bearer {TOKEN}", None, "127.0.0.1", allow_loopback=False)
-    assert off.value.status_code == 404
+    assert (off.value.status_code, off.value.code) == (403, "admin_api_disabled")
     check_admin_token(None, None, "127.0.0.1", allow_loopback=True)
     check_admin_token(None, "", "::1", allow_loopback=True)
     with pytest.raises(APIError) as remote:
         check_admin_token(None, None, "10.1.2.3", allow_loopback=True)
-    assert remote.value.status_code == 404
+    assert (remote.value.status_code, remote.value.code) == (403, "admin_api_disabled")
     check_admin_token(f"Bearer {TOKEN}", TOKEN, "10.1.2.3", allow_loopback=False)
 
 

@@ -165,7 +165,7 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
         send_invalid = _sender(fuzz_server, session, record, "negative")
         for op in operations:
             if not (op.method.upper() == "POST" and op.path in POST_MODELS):
-                # GETs, and the admin routes (off on this server without a token: 404s).
+                # GETs, and the admin routes (off on this server without a token: 403s).
                 _fuzz(op.as_strategy(positive), NUM_EXAMPLES_PER_GET, send_valid)
                 continue
             valid = _served_model_half_the_time(op.as_strategy(positive), POST_MODELS[op.path])

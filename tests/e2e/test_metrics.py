@@ -75,7 +75,7 @@ def test_every_named_metric_is_exposed_with_model_and_bucket_labels(metrics_url:
         for name in names:
             assert name in families, f"{name} missing"
             assert families[name].type == kind, (name, families[name].type)
-    labelled = [s for s in families["sluice_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    labelled = [s for s in families["sluice_e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
     assert {(s.labels["model"], s.labels["bucket"]) for s in labelled} >= {(GENERATE_MODEL, "le48"), (EMBED_MODEL, "le16")}
     assert sample(families, "sluice_requests", "_total", model=GENERATE_MODEL, bucket="le48", outcome="ok") >= 1
     assert sample(families, "sluice_generation_tokens", "_total", model=GENERATE_MODEL, bucket="le48") >= 3

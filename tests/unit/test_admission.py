@@ -1,4 +1,4 @@
-"""Admission control: the pure limits and Retry-After, the bucket's gate, and the queued count
+"""Admission control: the pure limits and Retry-After, the bucket's admission control, and the queued count
 returning to zero through the continuous and dynamic batchers (fake runners, no model)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from buckets.admission import AdmissionGate
+from buckets.admission import AdmissionControl
 from buckets.dynamic import DynamicBatcher
 from buckets.errors import QueueFullError
 from buckets.request import EmbeddingRequest
@@ -64,44 +64,44 @@ def test_rate_window_span_is_at_least_a_second() -> None:
     assert window.rate_per_s(5.2) == pytest.approx(1.0)
 
 
-# --- the gate -----------------------------------------------------------------------------------
+# --- the admission -----------------------------------------------------------------------------------
 
 
-def test_gate_admits_up_to_the_limits_and_refuses_beyond() -> None:
-    gate = AdmissionGate(max_queue_len=3, max_queued_tokens=100, clock=FakeClock())
-    tickets = [gate.admit(30), gate.admit(30)]
+def test_admission_admits_up_to_the_limits_and_refuses_beyond() -> None:
+    admission = AdmissionControl(max_queue_len=3, max_queued_tokens=100, clock=FakeClock())
+    tickets = [admission.admit(30), admission.admit(30)]
     with pytest.raises(QueueFullError, match="max_queued_tokens 100") as info:
-        gate.admit(41)
+        admission.admit(41)
     assert info.value.retry_after_s == 60  # nothing has drained yet
-    tickets.append(gate.admit(40))
+    tickets.append(admission.admit(40))
     with pytest.raises(QueueFullError, match="max_queue_len 3"):
-        gate.admit(1)
-    assert (gate.num_queued, gate.num_queued_tokens, gate.num_rejected) == (3, 100, 2)
+        admission.admit(1)
+    assert (admission.num_queued, admission.num_queued_tokens, admission.num_rejected) == (3, 100, 2)
     tickets[0].release()
-    assert (gate.num_queued, gate.num_queued_tokens) == (2, 70)
-    gate.admit(1)
+    assert (admission.num_queued, admission.num_queued_tokens) == (2, 70)
+    admission.admit(1)
 
 
 def test_ticket_release_is_idempotent() -> None:
-    gate = AdmissionGate(max_queue_len=2, clock=FakeClock())
-    ticket = gate.admit(7)
-    gate.admit(3)
+    admission = AdmissionControl(max_queue_len=2, clock=FakeClock())
+    ticket = admission.admit(7)
+    admission.admit(3)
     ticket.release()
     ticket.release()
-    assert (gate.num_queued, gate.num_queued_tokens) == (1, 3)
+    assert (admission.num_queued, admission.num_queued_tokens) == (1, 3)
 
 
 def test_retry_after_follows_the_drain_rate() -> None:
     clock = FakeClock()
-    gate = AdmissionGate(max_queue_len=4, clock=clock, window_s=10.0)
-    tickets = [gate.admit(1) for _ in range(4)]
+    admission = AdmissionControl(max_queue_len=4, clock=clock, window_s=10.0)
+    tickets = [admission.admit(1) for _ in range(4)]
     clock.now = 2.0
     tickets[0].release()
     tickets[1].release()  # 2 left the queue in 2 s: 1 per second
-    gate.admit(1)
-    gate.admit(1)
+    admission.admit(1)
+    admission.admit(1)
     with pytest.raises(QueueFullError) as info:
-        gate.admit(1)
+        admission.admit(1)
     assert info.value.retry_after_s == 4  # 4 queued at 1 per second
 
 
@@ -110,7 +110,7 @@ def test_retry_after_follows_the_drain_rate() -> None:
 
 def test_bucket_submit_raises_queue_full_and_queues_nothing() -> None:
     bucket = make_bucket(16)
-    bucket.gate = AdmissionGate(max_queue_len=2, clock=FakeClock())
+    bucket.admission = AdmissionControl(max_queue_len=2, clock=FakeClock())
     requests = [make_request(3, name=f"r{i}") for i in range(3)]
     bucket.submit(requests[0])
     bucket.submit(requests[1])
@@ -120,95 +120,95 @@ def test_bucket_submit_raises_queue_full_and_queues_nothing() -> None:
     assert dummy_batcher(bucket).submitted == requests[:2]
     requests[0].leave_queue()
     bucket.submit(requests[2])
-    assert bucket.gate.num_queued == 2
+    assert bucket.admission.num_queued == 2
 
 
 def test_bucket_limits_come_from_its_fields() -> None:
     bucket = make_bucket(16)
     bucket.max_queue_len, bucket.max_queued_tokens = 5, 50
     bucket.__post_init__()
-    assert (bucket.gate.max_queue_len, bucket.gate.max_queued_tokens) == (5, 50)
+    assert (bucket.admission.max_queue_len, bucket.admission.max_queued_tokens) == (5, 50)
 
 
 # --- through the batchers -----------------------------------------------------------------------
 
 
-def admit_all(gate: AdmissionGate, requests: list) -> None:  # type: ignore[type-arg]
+def admit_all(admission: AdmissionControl, requests: list) -> None:  # type: ignore[type-arg]
     for request in requests:
-        request.on_dequeue = gate.admit(request.num_prompt_tokens).release
+        request.on_dequeue = admission.admit(request.num_prompt_tokens).release
 
 
 def test_continuous_requests_leave_the_queue_when_they_start() -> None:
-    gate = AdmissionGate(max_queue_len=10, clock=FakeClock())
+    admission = AdmissionControl(max_queue_len=10, clock=FakeClock())
     batcher = make_batcher(FakeRunner(), max_num_seqs=1)
     requests = [make_request(3, max_tokens=2, name=f"r{i}") for i in range(3)]
-    admit_all(gate, requests)
+    admit_all(admission, requests)
     for request in requests:
         batcher.submit(request)
     batcher.step()  # only r0 fits in max_num_seqs
-    assert (gate.num_queued, gate.num_queued_tokens) == (2, 6)
+    assert (admission.num_queued, admission.num_queued_tokens) == (2, 6)
     drain(batcher)
-    assert (gate.num_queued, gate.num_queued_tokens) == (0, 0)
+    assert (admission.num_queued, admission.num_queued_tokens) == (0, 0)
 
 
 def test_a_chunked_prefill_leaves_the_queue_before_its_first_token() -> None:
-    gate = AdmissionGate(max_queue_len=10, clock=FakeClock())
+    admission = AdmissionControl(max_queue_len=10, clock=FakeClock())
     batcher = make_batcher(FakeRunner(), max_num_batched_tokens=4)
     request = make_request(10, max_tokens=2)
-    admit_all(gate, [request])
+    admit_all(admission, [request])
     batcher.submit(request)
     batcher.step()
     assert request.sink.events == []  # type: ignore[attr-defined]  # still prefilling
-    assert gate.num_queued == 0
+    assert admission.num_queued == 0
 
 
 def test_continuous_requests_cancelled_while_queued_leave_the_queue() -> None:
-    gate = AdmissionGate(max_queue_len=10, clock=FakeClock())
+    admission = AdmissionControl(max_queue_len=10, clock=FakeClock())
     batcher = make_batcher(FakeRunner(), max_num_seqs=1)
     running, queued = make_request(3, max_tokens=3, name="a"), make_request(3, max_tokens=3, name="b")
-    admit_all(gate, [running, queued])
+    admit_all(admission, [running, queued])
     batcher.submit(running)
     batcher.submit(queued)
     batcher.step()
-    assert gate.num_queued == 1
+    assert admission.num_queued == 1
     queued.cancel()
     batcher.step()
-    assert gate.num_queued == 0
+    assert admission.num_queued == 0
     drain(batcher)
-    assert batcher.stats().num_cancelled == 1 and gate.num_queued == 0
+    assert batcher.stats().num_cancelled == 1 and admission.num_queued == 0
 
 
 def test_a_preempted_sequence_does_not_release_twice() -> None:
     # 3 blocks of 2 tokens: both 2-token prompts prefill; the decodes need a 4th block, so one is
     # preempted back to the waiting queue and resumed later.
-    gate = AdmissionGate(max_queue_len=10, clock=FakeClock())
+    admission = AdmissionControl(max_queue_len=10, clock=FakeClock())
     batcher = make_batcher(FakeRunner(num_blocks=3, block_size=2))
     a, b, c = (make_request(2, max_tokens=3, name=n) for n in "abc")
-    admit_all(gate, [a, b])
+    admit_all(admission, [a, b])
     batcher.submit(a)
     batcher.submit(b)
     batcher.step()
     batcher.step()
     assert any(s.status is SequenceStatus.PREEMPTED for s in batcher.scheduler.waiting)
-    assert gate.num_queued == 0
-    admit_all(gate, [c])  # a newcomer's ticket must survive the preempted one's return
+    assert admission.num_queued == 0
+    admit_all(admission, [c])  # a newcomer's ticket must survive the preempted one's return
     batcher.submit(c)
-    assert gate.num_queued == 1
+    assert admission.num_queued == 1
     drain(batcher)
     assert batcher.scheduler.counters.num_preemptions >= 1
-    assert (gate.num_queued, gate.num_queued_tokens) == (0, 0)
+    assert (admission.num_queued, admission.num_queued_tokens) == (0, 0)
 
 
 def test_shutdown_releases_queued_requests() -> None:
-    gate = AdmissionGate(max_queue_len=10, clock=FakeClock())
+    admission = AdmissionControl(max_queue_len=10, clock=FakeClock())
     batcher = make_batcher(FakeRunner(), max_num_seqs=1)
     requests = [make_request(3, name=f"r{i}") for i in range(3)]
-    admit_all(gate, requests)
+    admit_all(admission, requests)
     for request in requests:
         batcher.submit(request)
     batcher.step()
     batcher.shutdown()
-    assert gate.num_queued == 0
+    assert admission.num_queued == 0
 
 
 def make_embedding(num_tokens: int = 3) -> EmbeddingRequest:
@@ -220,13 +220,13 @@ def test_dynamic_requests_leave_the_queue_when_their_batch_is_taken() -> None:
 
     runner = SimpleNamespace(embed=lambda rows: (torch.zeros(len(rows), 2), 0))
     batcher = DynamicBatcher(runner, DynamicBatcherSettings(2, 0.0), clock=FakeClock())
-    gate = AdmissionGate(max_queue_len=10, clock=FakeClock())
+    admission = AdmissionControl(max_queue_len=10, clock=FakeClock())
     requests = [make_embedding() for _ in range(3)]
-    admit_all(gate, requests)
+    admit_all(admission, requests)
     for request in requests:
         batcher.submit(request)
     requests[2].cancel()
     batcher.step()
-    assert gate.num_queued == 1
+    assert admission.num_queued == 1
     batcher.step()  # the cancelled one is dropped
-    assert (gate.num_queued, gate.num_queued_tokens) == (0, 0)
+    assert (admission.num_queued, admission.num_queued_tokens) == (0, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from buckets.admission import AdmissionGate
+from buckets.admission import AdmissionControl
 from buckets.errors import DeadlineExceededError, DeadlineUnmeetableError, QueueFullError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, ErrorEvent, TokenEvent
 from buckets.dynamic import DynamicBatcher
@@ -59,27 +59,27 @@ def test_expiry_and_expected_wait() -> None:
 # --- deadline-aware admission -------------------------------------------------------------------
 
 
-def test_gate_refuses_a_request_whose_timeout_the_queue_cannot_meet() -> None:
+def test_admission_refuses_a_request_whose_timeout_the_queue_cannot_meet() -> None:
     clock = FakeClock(100.0)
-    gate = AdmissionGate(max_queue_len=100, clock=clock, window_s=10.0)
-    assert gate.admit(1, timeout_s=1e-9) is not None  # an empty queue starts at once
-    tickets = [gate.admit(1, timeout_s=1e-9) for _ in range(9)]  # drain rate unknown: no refusal
+    admission = AdmissionControl(max_queue_len=100, clock=clock, window_s=10.0)
+    assert admission.admit(1, timeout_s=1e-9) is not None  # an empty queue starts at once
+    tickets = [admission.admit(1, timeout_s=1e-9) for _ in range(9)]  # drain rate unknown: no refusal
     clock.now += 600.0  # a long idle stretch before the queue got busy must not count as slow
-    tickets = [gate.admit(1) for _ in range(10)] + tickets
-    gate = AdmissionGate(max_queue_len=100, clock=clock, window_s=10.0)
-    busy = [gate.admit(1) for _ in range(10)]
+    tickets = [admission.admit(1) for _ in range(10)] + tickets
+    admission = AdmissionControl(max_queue_len=100, clock=clock, window_s=10.0)
+    busy = [admission.admit(1) for _ in range(10)]
     for ticket in busy[:6]:  # one leaves every 2 s while the queue is busy: 0.5 a second
         clock.now += 2.0
         ticket.release()
-    assert gate.admit(1, timeout_s=10.5) is not None  # 4 ahead at 0.5/s: 8 s
+    assert admission.admit(1, timeout_s=10.5) is not None  # 4 ahead at 0.5/s: 8 s
     with pytest.raises(DeadlineUnmeetableError) as refused:
-        gate.admit(1, timeout_s=9.0)  # 5 ahead: 10 s
+        admission.admit(1, timeout_s=9.0)  # 5 ahead: 10 s
     assert isinstance(refused.value, QueueFullError)  # a 429 like a full queue
     assert "exceeds the request's timeout of 9 s" in str(refused.value)
     assert 1 <= refused.value.retry_after_s <= 11
-    assert gate.num_rejected == 1
-    assert gate.num_queued == 5  # the refused one was never counted
-    assert gate.admit(1) is not None  # without a deadline the limits alone apply
+    assert admission.num_rejected == 1
+    assert admission.num_queued == 5  # the refused one was never counted
+    assert admission.admit(1) is not None  # without a deadline the limits alone apply
     del tickets
 
 

@@ -15,9 +15,8 @@ from buckets.slices.thread import ThreadSlice
 from gateway.build import make_slice
 from gateway.config import GatewayConfig, SliceConfig, parse_config
 from gateway.engine import Engine
-from gateway.errors import slice_unavailable
+from gateway.errors import slice_unavailable, to_api_error
 from gateway.memory import split_kv_memory
-from gateway.routes.generation import core_failure
 from gateway.slice_worker import run_slice_worker, worker_config
 
 
@@ -80,10 +79,10 @@ def test_a_process_slice_needs_a_worker_main_to_run() -> None:
 
 
 def test_a_crashed_worker_is_a_503_with_retry_after_and_other_failures_a_500() -> None:
-    crashed = core_failure(WorkerCrashedError("the worker process of slice 'proc' exited (code -9)"))
+    crashed = to_api_error(WorkerCrashedError("the worker process of slice 'proc' exited (code -9)"))
     assert (crashed.status_code, crashed.code) == (503, "worker_crashed") and int(crashed.headers["Retry-After"]) >= 1
     assert "exited (code -9)" in crashed.message
-    failed = core_failure(BatchFailedError("forward failed"))
+    failed = to_api_error(BatchFailedError("forward failed"))
     assert (failed.status_code, failed.type) == (500, "server_error")
     restarting = slice_unavailable("gen", "le64", SliceUnavailableError("the worker process of slice 'proc' is restarting", 5))
     assert (restarting.status_code, restarting.code, restarting.headers) == (503, "slice_unavailable", {"Retry-After": "5"})
