@@ -13,6 +13,7 @@ from typing import Any
 import structlog
 from litestar import Litestar, Request, get
 from litestar.datastructures import State
+from litestar.params import FromQuery
 from litestar.response import Response
 
 from buckets.bucket import Bucket
@@ -43,7 +44,7 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 
 
 @get("/health")
-async def health(request: Request[Any, Any, Any], verbose: bool = False) -> dict[str, Any]:
+async def health(request: Request[Any, Any, Any], verbose: FromQuery[bool] = False) -> dict[str, Any]:
     """200 while the gateway serves (backend gates running in the background included); with
     ``?verbose=true`` also ``gates``: each ``auto`` bucket's gate state (model, bucket, state)."""
     engine: Engine = request.app.state.engine
