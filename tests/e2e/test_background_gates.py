@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,12 +48,12 @@ def config_data(cache_dir: Path) -> dict[str, Any]:
 
 
 def fresh_cache_dir(folder: Path) -> Path:
-    """An empty cache dir (no gate record, no ONNX export) that reuses the built C++ kernel."""
+    """An empty cache dir: no gate record, no ONNX export. The config serves no decoder, so
+    neither the C++ kernel nor a GGUF conversion is needed (and the kernel's build directory is
+    not linked in: its ninja file records the absolute path it was built through, so a build
+    through another path rebuilds it for every later user of the shared one)."""
     cache_dir = folder / "cache"
     cache_dir.mkdir()
-    built = Path(os.environ.get("SLUICE_CACHE_DIR", "~/.cache/sluice")).expanduser() / "torch_extensions"
-    if built.is_dir():
-        (cache_dir / "torch_extensions").symlink_to(built)
     return cache_dir
 
 
