@@ -88,7 +88,8 @@ def interleaved_times_ms(
 
 def quiet_round(call: Callable[[str], object], order: Sequence[str], guard: IdleGuard) -> dict[str, float] | None:
     """``call(name)`` for each name of ``order`` once the guard says idle, timed in ms; ``None``
-    (the round discarded) when work arrived meanwhile.
+    (the round discarded) when work arrived meanwhile: the round stops after the call during
+    which it arrived, so a request waits for one call at most.
 
     Raises:
         GateCancelledError: from ``guard``.
@@ -99,7 +100,9 @@ def quiet_round(call: Callable[[str], object], order: Sequence[str], guard: Idle
         started = time.perf_counter()
         call(name)
         sample[name] = (time.perf_counter() - started) * 1000
-    return None if guard.disturbed() else sample
+        if guard.disturbed():
+            return None
+    return sample
 
 
 def latency_fields(eager: list[list[float]], candidate: list[list[float]]) -> dict[str, list[float] | list[list[float]]]:

@@ -1,17 +1,20 @@
 """The pause logic of a gate beside serving, with fake callables: the guard waits while the slice
 has work and logs one pause, a sample during which work ran is void, a stop ends the wait, and
-the interleaved measurement measures a disturbed round again (no clock, no sleep: the fakes say
-when the slice is busy)."""
+the interleaved measurement stops a disturbed round and measures it again, and a gate whose
+bucket was replaced meanwhile is dropped (no clock, no sleep: the fakes say when the slice is
+busy)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import structlog
 
-from gateway.background_gates import SliceIdleGuard
+from gateway import gate
+from gateway.background_gates import BackgroundGates, GateJob, SliceIdleGuard
 from models.backends.measure import GateCancelledError, interleaved_times_ms
 
 FIELDS = {"model": "m", "bucket": "le32"}
@@ -80,30 +83,31 @@ def test_a_stop_ends_the_wait_of_a_busy_slice() -> None:
 
 
 class OneDisturbance:
-    """A guard whose ``disturb_at``-th sample (counted from 1) had work arrive."""
+    """A guard asked after every timed call; work arrived during the ``disturb_at``-th call
+    (counted from 1)."""
 
     def __init__(self, disturb_at: int):
         self.disturb_at = disturb_at
         self.num_waits = 0
-        self.num_samples = 0
+        self.num_looks = 0
 
     def wait_until_idle(self) -> None:
         self.num_waits += 1
 
     def disturbed(self) -> bool:
-        self.num_samples += 1
-        return self.num_samples == self.disturb_at
+        self.num_looks += 1
+        return self.num_looks == self.disturb_at
 
 
-def test_a_disturbed_round_is_measured_again_and_dropped() -> None:
+def test_a_disturbed_round_stops_at_once_and_is_measured_again() -> None:
     calls: dict[str, list[int]] = {"eager": [], "onnx": []}
     fns = {name: (lambda shape, name=name: calls[name].append(shape)) for name in calls}
-    guard = OneDisturbance(disturb_at=2)
+    guard = OneDisturbance(disturb_at=1)  # during the first timed call: its round stops there
     times = interleaved_times_ms(fns, num_shapes=2, repeats=3, guard=guard)
     assert all(len(per_shape) == 3 for name in times for per_shape in times[name])
-    # Per backend: 2 warm-up calls, 6 kept rounds and 1 discarded one.
-    assert [len(c) for c in calls.values()] == [9, 9]
-    assert guard.num_samples == 7
+    # 2 warm-up calls per backend, 6 kept rounds of both, and the first call of the stopped round.
+    assert sorted(len(c) for c in calls.values()) == [8, 9]
+    assert guard.num_looks == 1 + 6 * 2
     assert guard.num_waits == 2 + 7  # before each shape's warm-up, and before every round
 
 
@@ -123,4 +127,24 @@ def test_paired_rounds_stay_paired_after_a_discard(disturb_at: int) -> None:
     fns = {name: (lambda shape, name=name: order.append(name)) for name in ("a", "b")}
     times = interleaved_times_ms(fns, num_shapes=1, repeats=4, guard=OneDisturbance(disturb_at))
     assert len(times["a"][0]) == len(times["b"][0]) == 4
-    assert order.count("a") == order.count("b") == 1 + 5
+    assert len(order) == 2 + 4 * 2 + 1  # warm-ups, kept rounds, and the stopped round's one call
+
+
+class FakeBucket:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.backend_info: dict[str, object] = {"configured": "auto", "running": "eager", "gate_state": "pending"}
+
+
+def test_a_gate_whose_bucket_was_replaced_before_it_ran_is_dropped_unmeasured(monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_measure(*_: object, **__: object) -> None:
+        raise AssertionError("a dropped gate measured")
+
+    monkeypatch.setattr(gate, "run_and_save", must_not_measure)
+    queued, replacement = FakeBucket("le32"), FakeBucket("le32")
+    served = SimpleNamespace(draining=False, table=SimpleNamespace(by_name=lambda name: replacement))
+    gates = BackgroundGates(SimpleNamespace(models={"m": served}))  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        gates._gate(GateJob("m", queued))  # type: ignore[arg-type]
+    assert [e["event"] for e in logs] == ["gate_result_dropped"]
+    assert queued.backend_info["gate_state"] == "dropped" and replacement.backend_info["gate_state"] == "pending"
