@@ -36,14 +36,17 @@ log = structlog.get_logger(__name__)
 
 IDLE_POLL_S = 0.05
 STOP_JOIN_S = 5.0
+DISCARD_LOG_INTERVAL_S = 10.0
 
 
 class SliceIdleGuard:
     """The :class:`~models.backends.measure.IdleGuard` of a gate beside serving: idle while
     ``is_idle()`` (no request waiting, running or holding an admission ticket in any bucket of
     the slice); disturbed when ``activity()`` (the slice's forwards so far) moved since the wait
-    returned, or work is there now. Logs ``gate_paused`` once per pause and ``gate_resumed``
-    with its ``paused_s``.
+    returned, or work is there now. Logs ``gate_paused`` once per pause, ``gate_resumed`` with
+    its ``paused_s``, and ``gate_samples_discarded`` (the count so far) at most every
+    ``DISCARD_LOG_INTERVAL_S``: under steady traffic whose gaps are shorter than one round the
+    gate waits (its bucket stays on eager), and this says why it takes long.
 
     Args:
         is_idle: whether the slice serves nothing now (thread-safe).
@@ -64,6 +67,8 @@ class SliceIdleGuard:
         self._poll_s = poll_s
         self._mark = activity()
         self.num_pauses = 0
+        self.num_discarded = 0
+        self._discards_logged_at: float | None = None
 
     def wait_until_idle(self) -> None:
         """Block until the slice is idle.
@@ -88,7 +93,14 @@ class SliceIdleGuard:
 
     def disturbed(self) -> bool:
         """Whether work ran or arrived since :meth:`wait_until_idle` returned."""
-        return self._activity() != self._mark or not self._is_idle()
+        if self._activity() == self._mark and self._is_idle():
+            return False
+        self.num_discarded += 1
+        now = time.monotonic()
+        if self._discards_logged_at is None or now - self._discards_logged_at >= DISCARD_LOG_INTERVAL_S:
+            self._discards_logged_at = now
+            log.info("gate_samples_discarded", **self._fields, num_discarded=self.num_discarded)
+        return True
 
 
 @dataclass

@@ -50,11 +50,14 @@ def test_a_sample_is_void_when_work_ran_or_is_there() -> None:
     guard = SliceIdleGuard(lambda: idle[0], lambda: steps[0], threading.Event(), FIELDS, poll_s=0.0)
     guard.wait_until_idle()
     steps[0] += 1  # a request came and went: one forward ran
-    assert guard.disturbed()
+    with structlog.testing.capture_logs() as logs:
+        assert guard.disturbed()
     guard.wait_until_idle()  # the mark moves on
     assert not guard.disturbed()
     idle[0] = False  # a request is queued now
     assert guard.disturbed()
+    assert guard.num_discarded == 2
+    assert [(e["event"], e["num_discarded"]) for e in logs] == [("gate_samples_discarded", 1)]
 
 
 def test_a_stop_ends_the_wait_of_a_busy_slice() -> None:
