@@ -1,4 +1,5 @@
-"""The litestar app factory: lifespan starts and stops the engine; one place maps errors
+"""The litestar app factory: lifespan starts and stops the engine and the background gates
+(:mod:`gateway.background_gates`, after the gateway is ready); one place maps errors
 (:func:`gateway.errors.to_api_error`); every request is logged once (:mod:`gateway.access_log`)."""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import Any
 import structlog
 from litestar import Litestar, Request, get
 from litestar.datastructures import State
+from litestar.params import FromQuery
 from litestar.response import Response
 
 from buckets.bucket import Bucket
 from gateway.access_log import AccessLog
 from gateway.admin import AdminController
+from gateway.background_gates import BackgroundGates, gate_states
 from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardController
 from gateway.engine import Engine
@@ -41,9 +44,14 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 
 
 @get("/health")
-async def health(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def health(request: Request[Any, Any, Any], verbose: FromQuery[bool] = False) -> dict[str, Any]:
+    """200 while the gateway serves (backend gates running in the background included); with
+    ``?verbose=true`` also ``gates``: each ``auto`` bucket's gate state (model, bucket, state)."""
     engine: Engine = request.app.state.engine
-    return {"status": "ok", "models": sorted(engine.models)}
+    body: dict[str, Any] = {"status": "ok", "models": sorted(engine.models)}
+    if verbose:
+        body["gates"] = gate_states(engine)
+    return body
 
 
 @get("/stats")
@@ -76,7 +84,9 @@ def _bucket_stats(bucket: Bucket) -> dict[str, Any]:
 
 def create_app(config: GatewayConfig) -> Litestar:
     """Build the gateway app for ``config``. Models load in the lifespan, before serving starts."""
-    engine = Engine(config, worker_main=run_slice_worker)
+    engine = Engine(config, worker_main=run_slice_worker, defer_gates=True)
+    gates = BackgroundGates(engine)
+    engine.bucket_hooks.append(gates.on_bucket)
     metrics = Metrics(engine)
     engine.request_observers.append(metrics.observe_request)
     engine.bucket_hooks.append(
@@ -94,10 +104,12 @@ def create_app(config: GatewayConfig) -> Litestar:
         app.state.config_lock = asyncio.Lock()  # admin changes and the SLO tuner, one at a time
         tuning = asyncio.create_task(TuningLoop(engine, metrics, app.state.config_lock).run())
         log.info("gateway_ready", models=sorted(engine.models))
+        gates.start(asyncio.get_running_loop(), app.state.config_lock)  # pending gates, one at a time
         try:
             yield
         finally:
             tuning.cancel()
+            await asyncio.to_thread(gates.stop)
             await asyncio.to_thread(engine.stop)
 
     app = Litestar(

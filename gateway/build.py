@@ -120,12 +120,15 @@ def batcher_settings(config: BucketConfig) -> BatcherSettings:
 @dataclass(frozen=True)
 class BucketBuilder:
     """Builds buckets from config values: ``cache_dir`` (converted models, gate records),
-    ``gate`` (the backend gate's settings) and ``kv_memory_bytes`` (each continuous bucket's KV
-    pool in bytes, from :func:`gateway.memory.split_kv_memory` over the whole config)."""
+    ``gate`` (the backend gate's settings), ``kv_memory_bytes`` (each continuous bucket's KV
+    pool in bytes, from :func:`gateway.memory.split_kv_memory` over the whole config) and
+    ``defer_gates`` (an ``auto`` bucket without a current gate record runs eager, its gate
+    ``pending`` for :mod:`gateway.background_gates`; else it is gated while it is built)."""
 
     cache_dir: Path
     gate: GateConfig
     kv_memory_bytes: dict[memory.BucketName, int]
+    defer_gates: bool = False
 
     def bucket(
         self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, device_slice: Slice, layout_no: int = 0
@@ -166,7 +169,7 @@ class BucketBuilder:
         """The bucket's continuous batcher: its backend (gated when ``auto``) over a KV pool of
         ``num_blocks`` blocks."""
         knobs: ContinuousBatcherConfig = config.batcher  # type: ignore[assignment]
-        label = runners.backend_label(self.cache_dir, self.gate, model, loaded, config, num_threads, info)
+        label = runners.backend_label(self.cache_dir, self.gate, model, loaded, config, num_threads, info, self.defer_gates)
         runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
         log.info(
             "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
@@ -178,7 +181,7 @@ class BucketBuilder:
         self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]
     ) -> DynamicBatcher:
         """The bucket's dynamic batcher over its encoder backend (gated when ``auto``)."""
-        label = runners.backend_label(self.cache_dir, self.gate, model, loaded, config, num_threads, info)
+        label = runners.backend_label(self.cache_dir, self.gate, model, loaded, config, num_threads, info, self.defer_gates)
         backend = runners.encoder_backend(self.cache_dir, model, loaded, config, label, num_threads, info)
         runner = EmbeddingRunner(backend, loaded.tokenizer.pad_token_id or 0, loaded.device, loaded.folder)
         return DynamicBatcher(runner, dynamic_settings(config.batcher))  # type: ignore[arg-type]

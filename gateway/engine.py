@@ -18,7 +18,7 @@ from buckets.request import Request
 from buckets.slices.slice import Slice
 from gateway import build, memory
 from gateway.build import BucketBuilder, WorkerMain
-from gateway.config import GatewayConfig, ModelConfig
+from gateway.config import BucketConfig, GatewayConfig, ModelConfig
 from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
 from models.cpu_memory import release_memory
@@ -89,15 +89,19 @@ class Engine:
         config: the validated gateway config.
         worker_main: what a process slice's worker runs (:func:`gateway.slice_worker.run_slice_worker`,
             passed in by the app, so this module does not import the worker's code).
+        defer_gates: build an ``auto`` bucket without a current gate record on eager with its
+            gate ``pending`` (the app's :class:`~gateway.background_gates.BackgroundGates` runs
+            it); else gate it while it is built (a slice worker: the gateway waits for it).
 
     Raises:
         ConfigError: a ``cuda:N`` slice torch cannot see, or KV shares over a slice's budget.
         ValueError: a process slice and no ``worker_main``.
     """
 
-    def __init__(self, config: GatewayConfig, worker_main: WorkerMain | None = None):
+    def __init__(self, config: GatewayConfig, worker_main: WorkerMain | None = None, defer_gates: bool = False):
         build.check_devices(config)
         self.config = config
+        self.defer_gates = defer_gates
         self.cache_dir = build.cache_dir(config)
         self.slices: dict[str, Slice] = {
             s.name: build.make_slice(s, worker_main, functools.partial(self._worker_args, s.name)) for s in config.slices
@@ -177,6 +181,31 @@ class Engine:
         served.config = model
         self.config = config
         return old
+
+    def rebuild_bucket(self, name: str, bucket_name: str) -> tuple[Bucket, Bucket]:
+        """Serve bucket ``bucket_name`` of model ``name`` through a new bucket built from the same
+        config (its backend chosen again: a gate record written since counts), swapped into the
+        table at once (one reference assignment); the old bucket is closed, still running what it
+        admitted (retire it with :meth:`retire`). Blocking (a backend is built and warmed): call
+        it off the event loop.
+
+        Returns:
+            ``(old bucket, new bucket)``.
+        Raises:
+            KeyError: no such model or bucket.
+            ConfigError: the new KV pool does not fit the slices' budgets.
+        """
+        served = self.models[name]
+        old = served.table.by_name(bucket_name)
+        if old is None:
+            raise KeyError(bucket_name)
+        config = next(b for b in served.config.buckets if b.bucket_name == bucket_name)
+        self._check_budgets(self.config)
+        new = self._bucket(served.config, served.loaded, config, served.layout_no + 1)
+        served.layout_no += 1
+        served.table = BucketTable([new if b is old else b for b in served.table.buckets])
+        old.close()
+        return old, new
 
     def update_bucket(self, name: str, bucket_name: str, model: ModelConfig, config: GatewayConfig) -> None:
         """Apply the knobs of bucket ``bucket_name`` in ``model`` to the running bucket, from its
@@ -264,9 +293,12 @@ class Engine:
     def _buckets(self, config: ModelConfig, loaded: LoadedModel, layout_no: int = 0) -> list[Bucket]:
         """Build ``config``'s buckets (its ``layout_no``-th layout) on ``loaded``, attached to their
         slices, and hand each to the bucket hooks (before any request can reach it)."""
-        builder = BucketBuilder(self.cache_dir, self.config.gate, self.kv_memory_bytes)
-        buckets = [builder.bucket(config, loaded, b, self.slices[b.slice], layout_no) for b in config.buckets]
-        for bucket in buckets:
-            for hook in self.bucket_hooks:
-                hook(config.name, bucket)
-        return buckets
+        return [self._bucket(config, loaded, b, layout_no) for b in config.buckets]
+
+    def _bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, layout_no: int) -> Bucket:
+        """Build bucket ``config`` of ``model`` on its slice and hand it to the bucket hooks."""
+        builder = BucketBuilder(self.cache_dir, self.config.gate, self.kv_memory_bytes, self.defer_gates)
+        bucket = builder.bucket(model, loaded, config, self.slices[config.slice], layout_no)
+        for hook in self.bucket_hooks:
+            hook(model.name, bucket)
+        return bucket

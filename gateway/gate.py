@@ -8,8 +8,9 @@ while its ``key`` (machine, versions, model files, dtype, shapes) equals the cur
 otherwise it is stale and the gate runs again. Verdicts are re-judged from the stored figures
 with the current thresholds, so changing a threshold needs no new measurement. A record without
 per-repeat figures (version 1, before confidence bounds) is stale by its key, so it is gated
-again (at start with ``gate.run_at_start``, else the bucket runs eager); were such figures
-judged anyway, :func:`policies.gating.judge` refuses them.
+again (with ``gate.run_at_start``: in the background at start, :mod:`gateway.background_gates`;
+else the bucket runs eager); were such figures judged anyway, :func:`policies.gating.judge`
+refuses them.
 
 Shapes:
     dynamic (encoder) bucket: ``(batch, max_input_tokens)`` for batch 1, a quarter and all of
@@ -38,7 +39,7 @@ from gateway.config import BucketConfig, ContinuousBatcherConfig, GateConfig, Mo
 from models.backends.base import BackendUnavailableError, EncoderBackend, EncoderParts
 from models.backends.decoder_gate import measure_decoder
 from models.backends.eager import EagerEncoder
-from models.backends.measure import batched, interleaved_times_ms, latency_fields, min_cosine
+from models.backends.measure import ALWAYS_IDLE, IdleGuard, batched, interleaved_times_ms, latency_fields, min_cosine
 from models.backends.registry import DECODER_FACTORIES, build_encoder
 from models.encoder import EmbeddingRunner
 from models.loader import LoadedModel
@@ -184,14 +185,21 @@ def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
 
 
 def run_gate(
-    loaded: LoadedModel, model: ModelConfig, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int
+    loaded: LoadedModel, model: ModelConfig, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int,
+    guard: IdleGuard = ALWAYS_IDLE,
 ) -> dict[str, Any]:
-    """Measure every candidate for one bucket and return the record (not yet saved)."""
+    """Measure every candidate for one bucket and return the record (not yet saved). Every
+    build, timed round and accuracy run starts when ``guard`` says the slice is idle; a round
+    disturbed by work is measured again (:mod:`models.backends.measure`).
+
+    Raises:
+        GateCancelledError: from ``guard``.
+    """
     started = time.perf_counter()
     if model.task == "embed":
-        candidates = _gate_encoder(loaded, bucket, config, cache_dir, num_threads)
+        candidates = _gate_encoder(loaded, bucket, config, cache_dir, num_threads, guard)
     else:
-        candidates = _gate_decoder(loaded, bucket, config)
+        candidates = _gate_decoder(loaded, bucket, config, guard)
     record = {
         "model": model.name,
         "bucket": bucket.bucket_name,
@@ -213,13 +221,18 @@ def run_gate(
 
 def run_and_save(
     loaded: LoadedModel, model: ModelConfig, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int,
-    reason: str,
+    reason: str, guard: IdleGuard = ALWAYS_IDLE,
 ) -> dict[str, Any]:
-    """Run one bucket's gate and save its record, logging ``gate_started`` (with ``reason``) and
-    ``gate_finished`` (the chosen backend, ``duration_s`` and where the record went)."""
+    """Run one bucket's gate (:func:`run_gate`, waiting on ``guard``) and save its record,
+    logging ``gate_started`` (with ``reason``) and ``gate_finished`` (the chosen backend,
+    ``duration_s`` and where the record went).
+
+    Raises:
+        GateCancelledError: from ``guard`` (nothing saved).
+    """
     fields = {"model": model.name, "bucket": bucket.bucket_name}
     log.info("gate_started", **fields, reason=reason, candidates=list(config.candidates), repeats=config.repeats)
-    record = run_gate(loaded, model, bucket, config, cache_dir, num_threads)
+    record = run_gate(loaded, model, bucket, config, cache_dir, num_threads, guard)
     path = record_path(cache_dir, model.name, bucket.bucket_name)
     save_record(path, record)
     log.info("gate_finished", **fields, chosen=record["chosen"], duration_s=record["gate_s"], record=str(path))
@@ -227,7 +240,7 @@ def run_and_save(
 
 
 def _gate_encoder(
-    loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int
+    loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int, guard: IdleGuard
 ) -> list[dict[str, Any]]:
     shapes = encoder_shapes(bucket)
     parts = EncoderParts(loaded.model, loaded.folder, cache_dir, num_threads, loaded.device)
@@ -235,6 +248,7 @@ def _gate_encoder(
     results: dict[str, dict[str, Any]] = {}
     for label in config.candidates:
         results[label] = {"backend": label, "quantized": label.endswith("int8")}
+        guard.wait_until_idle()
         try:
             built_at = time.perf_counter()
             backend = build_encoder(label, parts)
@@ -246,7 +260,7 @@ def _gate_encoder(
     ids = _token_ids(loaded, max(seq for _, seq in shapes))
     inputs = [(ids[:, :seq].expand(batch, seq).contiguous(), torch.ones((batch, seq), dtype=torch.long)) for batch, seq in shapes]
     calls = {name: (lambda i, b=b: b.hidden_states(*inputs[i])) for name, b in backends.items()}
-    times = interleaved_times_ms(calls, len(shapes), config.repeats)
+    times = interleaved_times_ms(calls, len(shapes), config.repeats, guard)
     texts = [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS]
     pad_id = loaded.tokenizer.pad_token_id or 0
     max_batch = bucket.batcher.max_batch_size  # type: ignore[union-attr]
@@ -255,10 +269,12 @@ def _gate_encoder(
         runner = EmbeddingRunner(backend, pad_id, loaded.device, loaded.folder)
         return torch.cat([runner.embed(batch)[0] for batch in batched(texts, max_batch)])
 
+    guard.wait_until_idle()
     reference = embed(backends["eager"])
     for name, backend in backends.items():
         if name == "eager":
             continue
+        guard.wait_until_idle()
         try:
             results[name]["min_cosine"] = round(min_cosine(reference, embed(backend)), 6)
         except Exception as exc:  # a backend that fails at run time is refused, with the reason
@@ -277,13 +293,14 @@ def _token_ids(loaded: LoadedModel, length: int) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long)
 
 
-def _gate_decoder(loaded: LoadedModel, bucket: BucketConfig, config: GateConfig) -> list[dict[str, Any]]:
+def _gate_decoder(loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, guard: IdleGuard) -> list[dict[str, Any]]:
     batcher = bucket.batcher
     assert isinstance(batcher, ContinuousBatcherConfig)
     prompts = [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS[:8]]
     candidates = [c for c in config.candidates if c in DECODER_FACTORIES and c != "eager"]
     return measure_decoder(
-        loaded.model, decoder_shapes(bucket), bucket.max_input_tokens, batcher.block_size, candidates, config.repeats, prompts
+        loaded.model, decoder_shapes(bucket), bucket.max_input_tokens, batcher.block_size, candidates, config.repeats, prompts,
+        guard=guard,
     )
 
 

@@ -6,6 +6,7 @@ worker build runners alike."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,23 +27,45 @@ log = structlog.get_logger(__name__)
 R = TypeVar("R")
 
 
+class GateState(enum.Enum):
+    """Where an ``auto`` bucket's gate stands (``backend_info["gate_state"]``): ``pending`` (to
+    run in the background, eager meanwhile), ``running``, ``done`` (a current record), ``off``
+    (no record and ``gate.run_at_start`` off), ``dropped`` (its bucket changed or went while it
+    ran), ``failed``."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    OFF = "off"
+    DROPPED = "dropped"
+    FAILED = "failed"
+
+
 def backend_label(
     cache_dir: Path, gate_config: GateConfig, model: ModelConfig, loaded: LoadedModel, config: BucketConfig,
-    num_threads: int, info: dict[str, Any],
+    num_threads: int, info: dict[str, Any], defer_gate: bool = False,
 ) -> str:
-    """The backend kind a bucket runs: as configured, or for ``auto`` what its gate record (run
-    now when missing or stale and ``gate.run_at_start``) enabled. Fills ``info["gate"]``."""
+    """The backend kind a bucket runs: as configured, or for ``auto`` what its gate record
+    enabled. With no current record and ``gate.run_at_start``, the gate runs now, or with
+    ``defer_gate`` later in the background (:mod:`gateway.background_gates`): eager meanwhile.
+    Fills ``info["gate"]`` (the record in brief) and ``info["gate_state"]``
+    (:class:`GateState`)."""
     if config.backend != "auto":
         return CONFIGURED_KINDS[(config.backend, config.quantization)]
     path = gate.record_path(cache_dir, model.name, config.bucket_name)
     record = gate.load_record(path, gate.gate_key(model, config, loaded, num_threads))
+    if record is None and gate_config.run_at_start and defer_gate:
+        info.update(gate=None, gate_state=GateState.PENDING.value)
+        return "eager"
     if record is None and gate_config.run_at_start:
         record = gate.run_and_save(loaded, model, config, gate_config, cache_dir, num_threads, reason="no current gate record")
     info["gate"] = gate.summary(record, gate_config)
     if record is None:  # gate.run_at_start is off
+        info["gate_state"] = GateState.OFF.value
         log.warning("gate_record_missing", model=model.name, bucket=config.bucket_name, record=str(path), running="eager",
                     hint="run `sluice gate` for this model, or set gate.run_at_start")
         return "eager"
+    info["gate_state"] = GateState.DONE.value
     return gate.chosen_backend(record, gate_config)
 
 

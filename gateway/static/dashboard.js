@@ -101,6 +101,7 @@
     document.getElementById("status").textContent =
       `${snapshot.state} · ${snapshot.kind} batcher on slice ${snapshot.slice} · ` +
       `backend ${(snapshot.backend && snapshot.backend.running) || "eager"} ` +
+      (snapshot.backend && snapshot.backend.gate_state ? `(gate ${snapshot.backend.gate_state}) ` : "") +
       `(busy ${(100 * snapshot.slice_busy_ratio).toFixed(0)}%) · queue ${snapshot.num_waiting} · ` +
       `running ${snapshot.num_running} · finished ${c.num_finished} · rejected ${c.num_rejected} · ` +
       `timed out ${c.num_timed_out} · failed ${c.num_failed}`;

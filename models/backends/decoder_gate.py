@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from models.backends.base import BackendUnavailableError
-from models.backends.measure import interleaved_times_ms, latency_fields
+from models.backends.measure import ALWAYS_IDLE, IdleGuard, interleaved_times_ms, latency_fields
 from models.causal_lm import CausalLMRunner
 from models.step_io import ForwardInput, SamplingParams, SequenceInput
 
@@ -66,13 +66,17 @@ def measure_decoder(
     repeats: int,
     prompts: Sequence[list[int]],
     max_new_tokens: int = 16,
+    guard: IdleGuard = ALWAYS_IDLE,
 ) -> list[dict[str, Any]]:
-    """Gate figures for each decoder candidate (``compiled``) against eager.
+    """Gate figures for each decoder candidate (``compiled``) against eager; each build, timed
+    round and accuracy run starts when ``guard`` says idle (:mod:`models.backends.measure`).
 
     Returns:
         One dict per candidate: ``backend``, ``quantized`` (False), the latency figures of
         :func:`models.backends.measure.latency_fields`, ``tokens_identical``, ``build_s``,
         ``warm_up_s``; or ``error`` when it could not be built or run.
+    Raises:
+        GateCancelledError: from ``guard``.
     """
     timed = max(sum(_blocks((context_tokens if n == 1 else 0) + n, block_size) * s for s, n in shapes), 1)
     accuracy = sum(_blocks(len(p) + max_new_tokens, block_size) for p in prompts)
@@ -82,6 +86,7 @@ def measure_decoder(
     results: dict[str, dict[str, Any]] = {}
     for label in candidates:
         results[label] = {"backend": label, "quantized": False}
+        guard.wait_until_idle()
         try:
             started = time.perf_counter()
             runner = CausalLMRunner(model, num_blocks, block_size, backend=label)
@@ -93,11 +98,13 @@ def measure_decoder(
     steps = [step_sequences(shape, context_tokens, block_size) for shape in tuples]
     calls = {name: (lambda i, r=r: r.run(ForwardInput(steps[i]))) for name, r in runners.items()}
     with torch.inference_mode():
-        times = interleaved_times_ms(calls, len(tuples), repeats)
+        times = interleaved_times_ms(calls, len(tuples), repeats, guard)
+    guard.wait_until_idle()
     reference = greedy_tokens(runners["eager"], prompts, max_new_tokens)
     for name, runner in runners.items():
         if name == "eager":
             continue
+        guard.wait_until_idle()
         try:
             results[name]["tokens_identical"] = greedy_tokens(runner, prompts, max_new_tokens) == reference
         except Exception as exc:  # a backend failing at run time is refused, with the reason

@@ -17,6 +17,7 @@ Files are written under a temporary name and renamed, so a crash leaves no half 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
@@ -171,11 +172,13 @@ def _cache_path(model: Any, folder: Path, cache_dir: Path, tag: str, recipe: str
 
 
 def _ensure_fp32(model: Any, folder: Path, cache_dir: Path, has_token_types: bool) -> tuple[bool, Path]:
-    """The cached FP32 export, made now if missing; ``(made_now, path)``."""
+    """The cached FP32 export, made now if missing; ``(made_now, path)``. The exporter traces a
+    private copy of ``model``: while it traces, a forward of the traced module on another
+    thread (the bucket serving on eager beside a background gate) would run on fake tensors."""
     path = _cache_path(model, folder, cache_dir, "fp32", "none")
     if path.is_file():
         return False, path
-    _write_atomically(path, lambda tmp: export_encoder(model, tmp, has_token_types))
+    _write_atomically(path, lambda tmp: export_encoder(copy.deepcopy(model), tmp, has_token_types))
     return True, path
 
 

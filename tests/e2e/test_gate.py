@@ -102,9 +102,11 @@ def test_the_gate_measures_both_candidates_and_refuses_int8_under_a_strict_bound
 
 
 def test_verdicts_are_rejudged_with_new_thresholds_without_measuring_again(record: dict[str, Any]) -> None:
-    strict = GateConfig(min_speedup=100.0)
+    # A bound no backend reaches: on a machine whose cores another process holds, eager's torch
+    # threads slowed down a hundredfold while ONNX Runtime's did not (INT8 measured 116x).
+    strict = GateConfig(min_speedup=1e6)
     assert gate.chosen_backend(record, strict) == "eager"
-    assert all("below 100.00x" in v.reasons[0] for v in gate.verdicts(record, strict))
+    assert all("below 1000000.00x" in v.reasons[0] for v in gate.verdicts(record, strict))
     loose = GateConfig(min_speedup=1.0, min_cosine_quantized=0.5, candidates=["onnx-fp32", "onnx-int8"])
     int8_wins = with_speedup(with_speedup(record, "onnx-int8", 2.0), "onnx-fp32", 0.5)
     assert gate.chosen_backend(int8_wins, loose) == "onnx-int8"

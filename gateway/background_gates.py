@@ -1,0 +1,247 @@
+"""Backend gates run beside serving: one thread for the whole gateway, one gate at a time, in
+the order the buckets were built.
+
+An ``auto`` bucket without a current gate record is built on eager with its gate ``pending``
+(:func:`gateway.runners.backend_label`), and the gateway is ready without waiting for it. The
+gate thread then measures it, only while the bucket's slice serves nothing
+(:class:`SliceIdleGuard`: it pauses when work arrives, resumes after, and a sample during which
+work arrived is measured again), saves the record, and when the record enables a backend other
+than what the bucket runs, switches the bucket to it between batches through the path of a live
+reconfiguration: a new bucket built with the now current record, swapped into the model's table
+in one reference assignment, the old one closed and retired (drained, nothing dropped), under
+the lock the admin API and the SLO tuner take. One ``backend_switched`` event says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from buckets.bucket import Bucket
+from gateway import gate
+from gateway.engine import Engine
+from gateway.errors import ConfigError
+from gateway.runners import GateState
+from models.backends.measure import GateCancelledError
+
+log = structlog.get_logger(__name__)
+
+IDLE_POLL_S = 0.05
+STOP_JOIN_S = 5.0
+DISCARD_LOG_INTERVAL_S = 10.0
+
+
+class SliceIdleGuard:
+    """The :class:`~models.backends.measure.IdleGuard` of a gate beside serving: idle while
+    ``is_idle()`` (no request waiting, running or holding an admission ticket in any bucket of
+    the slice); disturbed when ``activity()`` (the slice's forwards so far) moved since the wait
+    returned, or work is there now. Logs ``gate_paused`` once per pause, ``gate_resumed`` with
+    its ``paused_s``, and ``gate_samples_discarded`` (the count so far) at most every
+    ``DISCARD_LOG_INTERVAL_S``: under steady traffic whose gaps are shorter than one round the
+    gate waits (its bucket stays on eager), and this says why it takes long.
+
+    Args:
+        is_idle: whether the slice serves nothing now (thread-safe).
+        activity: a count that grows with every forward on the slice.
+        stopping: set when the gateway stops: a wait raises :class:`GateCancelledError`.
+        fields: the model and bucket, for the log events.
+        poll_s: seconds between looks at a busy slice.
+    """
+
+    def __init__(
+        self, is_idle: Callable[[], bool], activity: Callable[[], int], stopping: threading.Event,
+        fields: dict[str, str], poll_s: float = IDLE_POLL_S,
+    ):
+        self._is_idle = is_idle
+        self._activity = activity
+        self._stopping = stopping
+        self._fields = fields
+        self._poll_s = poll_s
+        self._mark = activity()
+        self.num_pauses = 0
+        self.num_discarded = 0
+        self._discards_logged_at: float | None = None
+
+    def wait_until_idle(self) -> None:
+        """Block until the slice is idle.
+
+        Raises:
+            GateCancelledError: ``stopping`` was set.
+        """
+        paused_at: float | None = None
+        while True:
+            if self._stopping.is_set():
+                raise GateCancelledError("the gateway is stopping")
+            if self._is_idle():
+                break
+            if paused_at is None:
+                paused_at = time.monotonic()
+                self.num_pauses += 1
+                log.info("gate_paused", **self._fields, reason="requests on the slice")
+            self._stopping.wait(self._poll_s)
+        if paused_at is not None:
+            log.info("gate_resumed", **self._fields, paused_s=round(time.monotonic() - paused_at, 3))
+        self._mark = self._activity()
+
+    def disturbed(self) -> bool:
+        """Whether work ran or arrived since :meth:`wait_until_idle` returned."""
+        if self._activity() == self._mark and self._is_idle():
+            return False
+        self.num_discarded += 1
+        now = time.monotonic()
+        if self._discards_logged_at is None or now - self._discards_logged_at >= DISCARD_LOG_INTERVAL_S:
+            self._discards_logged_at = now
+            log.info("gate_samples_discarded", **self._fields, num_discarded=self.num_discarded)
+        return True
+
+
+@dataclass
+class GateJob:
+    """One bucket to gate: the model's name and the bucket as built."""
+
+    model: str
+    bucket: Bucket
+
+
+class BackgroundGates:
+    """The gateway's gate thread. :meth:`on_bucket` (an engine bucket hook) queues each bucket
+    whose gate is ``pending``; :meth:`start` starts the thread (after the gateway is ready) with
+    the event loop and the config lock a switch takes; :meth:`stop` ends it (a gate waiting for
+    an idle slice stops at once; one in a backend build finishes it, within ``STOP_JOIN_S``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._queue: queue.Queue[GateJob | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock: asyncio.Lock | None = None
+
+    def on_bucket(self, model: str, bucket: Bucket) -> None:
+        """Queue ``bucket``'s gate when it is pending (a bucket of a slice in this process)."""
+        if not bucket.device_slice.needs_weights:
+            return
+        if bucket.backend_info.get("gate_state") != GateState.PENDING.value:
+            return
+        log.info("gate_pending", model=model, bucket=bucket.name, running=bucket.backend_info.get("running"))
+        self._queue.put(GateJob(model, bucket))
+
+    def start(self, loop: asyncio.AbstractEventLoop, lock: asyncio.Lock) -> None:
+        self._loop, self._lock = loop, lock
+        self._thread = threading.Thread(target=self._run, name="background-gates", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(STOP_JOIN_S)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._gate(job)
+            except GateCancelledError:
+                return
+            except Exception as exc:  # a gate that fails leaves its bucket on eager, said so
+                log.exception("gate_failed", model=job.model, bucket=job.bucket.name, error=repr(exc), running="eager")
+                job.bucket.backend_info["gate_state"] = GateState.FAILED.value
+
+    def _gate(self, job: GateJob) -> None:
+        """Measure and record ``job``'s gate; switch its bucket when the record enables a backend
+        other than the one it runs, else show the record on the bucket."""
+        if not self._current(job):
+            self._drop(job, "its bucket was replaced before the gate ran")
+            return
+        served = self.engine.models[job.model]
+        config = next(b for b in served.config.buckets if b.bucket_name == job.bucket.name)
+        info = job.bucket.backend_info
+        info["gate_state"] = GateState.RUNNING.value
+        guard = self._guard(job)
+        record = gate.run_and_save(
+            served.loaded, served.config, config, self.engine.config.gate, self.engine.cache_dir,
+            job.bucket.device_slice.num_threads, reason="no current gate record (background)", guard=guard,
+        )
+        chosen = gate.chosen_backend(record, self.engine.config.gate)
+        if chosen == info.get("running"):
+            info.update(gate=gate.summary(record, self.engine.config.gate), gate_state=GateState.DONE.value)
+            return
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(self._switch(job, record), self._loop)
+        while not self._stopping.is_set():
+            try:
+                future.result(timeout=IDLE_POLL_S * 10)
+                return
+            except concurrent.futures.TimeoutError:
+                continue
+        future.cancel()
+
+    def _guard(self, job: GateJob) -> SliceIdleGuard:
+        device_slice = job.bucket.device_slice
+
+        def on_slice() -> list[Bucket]:
+            tables = [b for served in list(self.engine.models.values()) for b in served.table.buckets]
+            return [b for b in tables + list(self.engine.retiring) if b.device_slice is device_slice]
+
+        def is_idle() -> bool:
+            return all(b.is_idle() for b in on_slice())
+
+        def activity() -> int:
+            return sum(b.stats().num_steps for b in on_slice())
+
+        return SliceIdleGuard(is_idle, activity, self._stopping, {"model": job.model, "bucket": job.bucket.name})
+
+    def _current(self, job: GateJob) -> bool:
+        """Whether ``job``'s bucket is still its model's bucket of that name (no layout change,
+        no unload meanwhile)."""
+        served = self.engine.models.get(job.model)
+        return served is not None and not served.draining and served.table.by_name(job.bucket.name) is job.bucket
+
+    def _drop(self, job: GateJob, reason: str) -> None:
+        log.info("gate_result_dropped", model=job.model, bucket=job.bucket.name, reason=reason)
+        job.bucket.backend_info["gate_state"] = GateState.DROPPED.value
+
+    async def _switch(self, job: GateJob, record: dict[str, Any]) -> None:
+        """Under the config lock: rebuild ``job``'s bucket with the record now current, swap it
+        in, retire the old one; log ``backend_switched`` when the backend changed."""
+        assert self._lock is not None
+        async with self._lock:
+            if not self._current(job):
+                self._drop(job, "its bucket was replaced while the gate ran")
+                return
+            before = job.bucket.backend_info.get("running")
+            try:
+                old, new = await asyncio.to_thread(self.engine.rebuild_bucket, job.model, job.bucket.name)
+            except (ConfigError, KeyError) as exc:
+                log.warning("gate_switch_failed", model=job.model, bucket=job.bucket.name, error=str(exc), running=before)
+                return
+            self.engine.retire([old], self.engine.config.drain_timeout_s)
+        after = new.backend_info.get("running")
+        if after != before:
+            speedups = {v.backend: v.speedup for v in gate.verdicts(record, self.engine.config.gate)}
+            speedup = speedups.get(str(after))
+            log.info(
+                "backend_switched", model=job.model, bucket=job.bucket.name, to=after,
+                speedup=None if speedup is None else round(speedup, 3), **{"from": before},
+            )
+
+
+def gate_states(engine: Engine) -> list[dict[str, str]]:
+    """Every ``auto`` bucket's gate: ``{"model", "bucket", "state"}`` (a :class:`GateState` value)."""
+    return [
+        {"model": name, "bucket": bucket.name, "state": str(bucket.backend_info.get("gate_state"))}
+        for name, served in sorted(engine.models.items())
+        for bucket in served.table.buckets
+        if bucket.backend_info.get("configured") == "auto"
+    ]

