@@ -6,6 +6,8 @@ busy)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -14,7 +16,7 @@ import pytest
 import structlog
 
 from gateway import gate
-from gateway.background_gates import BackgroundGates, GateJob, SliceIdleGuard
+from gateway.background_gates import GATE_THREAD_NICE, BackgroundGates, GateJob, SliceIdleGuard, lower_thread_priority
 from models.backends.measure import GateCancelledError, interleaved_times_ms
 
 FIELDS = {"model": "m", "bucket": "le32"}
@@ -151,3 +153,22 @@ def test_a_gate_whose_bucket_was_replaced_before_it_ran_is_dropped_unmeasured(mo
         gates._gate(GateJob("m", queued))  # type: ignore[arg-type]
     assert [e["event"] for e in logs] == ["gate_result_dropped"]
     assert queued.backend_info["gate_state"] == "dropped" and replacement.backend_info["gate_state"] == "pending"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_gate_thread_runs_at_the_lowest_priority_and_the_others_keep_theirs() -> None:
+    seen: dict[str, int | None] = {}
+
+    def gate_thread() -> None:
+        seen["returned"] = lower_thread_priority()
+        seen["own"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        child = threading.Thread(target=lambda: seen.update(child=os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        child.start()
+        child.join()
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=gate_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"returned": GATE_THREAD_NICE, "own": GATE_THREAD_NICE, "child": GATE_THREAD_NICE}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
