@@ -44,12 +44,13 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 
 
 @get("/health")
-async def health(request: Request[Any, Any, Any], verbose: FromQuery[bool] = False) -> dict[str, Any]:
+async def health(request: Request[Any, Any, Any], verbose: FromQuery[str | None] = None) -> dict[str, Any]:
     """200 while the gateway serves (backend gates running in the background included); with
-    ``?verbose=true`` also ``gates``: each ``auto`` bucket's gate state (model, bucket, state)."""
+    ``?verbose`` (bare, or any value but ``false``, ``0``, ``no``) also ``gates``: each ``auto``
+    bucket's gate state (model, bucket, state)."""
     engine: Engine = request.app.state.engine
     body: dict[str, Any] = {"status": "ok", "models": sorted(engine.models)}
-    if verbose:
+    if verbose is not None and verbose.lower() not in ("false", "0", "no"):
         body["gates"] = gate_states(engine)
     return body
 
@@ -119,6 +120,9 @@ def create_app(config: GatewayConfig) -> Litestar:
         exception_handlers={Exception: _error_response},
         request_max_body_size=int(config.max_request_body_bytes),
         plugins=[RequestBodySchemas()],
+        # litestar's default logging config would replace the root handler (and its filter of
+        # third-party INFO lines) that gateway.logging.configure_logging installed.
+        logging_config=None,
     )
     # Around the whole handler, not as a route middleware: unknown paths (404) are logged too.
     app.asgi_handler = AccessLog(app.asgi_handler, metrics.observe_http)

@@ -63,3 +63,31 @@ def test_at_debug_everything_passes_and_a_second_call_reuses_the_handler() -> No
     assert passes(handlers[0], "onnx_ir.passes", logging.INFO) and handlers[0].filter(record("root", logging.DEBUG))
     configure_logging("INFO")
     assert sum(isinstance(f, ThirdPartyFilter) for f in our_handler().filters) == 1
+
+
+def test_building_the_app_leaves_our_root_handler_and_level_in_place() -> None:
+    """litestar's default logging config would swap the root handler (and its third-party
+    filter) for its own queue handler at INFO."""
+    from gateway.app import create_app
+    from gateway.config import parse_config
+    from tests.unit.test_config import make_config_data
+
+    configure_logging("warning")
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    create_app(parse_config(make_config_data()))
+    assert (list(root.handlers), root.level) == before
+    assert any(h.name == HANDLER_NAME for h in root.handlers)
+
+
+@pytest.mark.parametrize(("verbose", "has_gates"), [(None, False), ("", True), ("true", True), ("1", True), ("false", False), ("0", False)])
+def test_health_verbose_bare_or_true_adds_the_gates(verbose: str | None, has_gates: bool) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.app import health
+
+    engine = SimpleNamespace(models={})
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(engine=engine)))
+    body = asyncio.run(health.fn(request=request, verbose=verbose))
+    assert body["status"] == "ok" and ("gates" in body) is has_gates
