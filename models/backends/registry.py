@@ -10,7 +10,8 @@ more line here; nothing in ``gateway/`` or the runners changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from models.backends import compiled, eager, onnx
 from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts, EncoderBackend, EncoderParts
@@ -24,6 +25,7 @@ DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
     **eager.DECODER_FACTORIES,
     **compiled.DECODER_FACTORIES,
 }
+F = TypeVar("F")
 # A bucket's configured ``(backend, quantization)`` to the kind it runs (``auto`` goes to a gate).
 CONFIGURED_KINDS: dict[tuple[str, str], str] = {
     ("eager", "none"): "eager",
@@ -39,10 +41,7 @@ def build_encoder(kind: str, parts: EncoderParts) -> EncoderBackend:
     Raises:
         BackendUnavailableError: an unknown kind, or it cannot be built here.
     """
-    factory = ENCODER_FACTORIES.get(kind)
-    if factory is None:
-        raise BackendUnavailableError(f"unknown encoder backend {kind!r} (known: {', '.join(sorted(ENCODER_FACTORIES))})")
-    return factory(parts)
+    return _factory(ENCODER_FACTORIES, kind, "encoder")(parts)
 
 
 def build_decoder(kind: str, parts: DecoderParts) -> DecoderBackend:
@@ -52,7 +51,12 @@ def build_decoder(kind: str, parts: DecoderParts) -> DecoderBackend:
     Raises:
         BackendUnavailableError: an unknown kind, or it cannot be built here.
     """
-    factory = DECODER_FACTORIES.get(kind)
+    return _factory(DECODER_FACTORIES, kind, "decoder")(parts)
+
+
+def _factory(factories: Mapping[str, F], kind: str, role: str) -> F:
+    """The factory of ``kind`` in ``factories``; an unknown kind is :class:`BackendUnavailableError`."""
+    factory = factories.get(kind)
     if factory is None:
-        raise BackendUnavailableError(f"unknown decoder backend {kind!r} (known: {', '.join(sorted(DECODER_FACTORIES))})")
-    return factory(parts)
+        raise BackendUnavailableError(f"unknown {role} backend {kind!r} (known: {', '.join(sorted(factories))})")
+    return factory
