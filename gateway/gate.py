@@ -181,7 +181,7 @@ def _tuples(value: Any) -> Any:
 
 def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
     """The backend the record enables under ``config`` (``eager`` when none)."""
-    return choose_backend(verdicts(record, config))
+    return choose_backend(verdicts(record, config), thresholds(config))
 
 
 def run_gate(
@@ -214,7 +214,7 @@ def run_gate(
         {"backend": v.backend, "enabled": v.enabled, "speedup": v.speedup, "speedup_low": v.speedup_low, "reasons": list(v.reasons)}
         for v in judged
     ]
-    record["chosen"] = choose_backend(judged)
+    record["chosen"] = choose_backend(judged, thresholds(config))
     record["thresholds"] = thresholds(config).__dict__
     return record
 
@@ -322,4 +322,5 @@ def summary(record: dict[str, Any] | None, config: GateConfig) -> dict[str, Any]
             "tokens_identical": candidate.get("tokens_identical"),
             "reasons": list(verdict.reasons),
         })
-    return {"created": record["created"], "chosen": choose_backend(list(judged.values())), "candidates": rows}
+    chosen = choose_backend(list(judged.values()), thresholds(config))
+    return {"created": record["created"], "chosen": chosen, "candidates": rows}

@@ -22,7 +22,13 @@ candidate's accuracy against ``eager``. This module turns those plain numbers in
   agreement of at least ``min_top1_agreement`` (quantised);
 - a candidate that could not be built or run (``error``) is refused.
 
-:func:`choose_backend` takes the enabled candidate with the largest speed-up, else ``eager``.
+:func:`choose_backend` picks among the enabled candidates by a fixed preference
+(:data:`BACKEND_PREFERENCE`), and leaves a preferred candidate for a less preferred one only on
+a confident win over it: the same paired-bootstrap rule, on the per-repeat ratio of the two
+candidates' own latencies (both ran in the same interleaved rounds, so eager cancels out), must
+show a lower bound of at least ``min_gain_over_preferred``. Two candidates that tie within the
+noise therefore give the same choice on every run, instead of whichever median was lower this
+time; ``eager`` when none is enabled.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ import random
 from dataclasses import dataclass, field
 
 BOOTSTRAP_RESAMPLES = 2000
+# Among enabled candidates, the order of preference when none is confidently faster than a
+# preferred one: ``compiled`` keeps eager's weights (no second copy in memory) and its exact
+# tokens, ``onnx-fp32`` is exact but holds its own copy of the weights, ``onnx-int8`` is an
+# approximation. Labels not listed come after, in name order.
+BACKEND_PREFERENCE = ("compiled", "onnx-fp32", "onnx-int8")
 BOOTSTRAP_SEED = 0
 # A geometric mean of equal ratios may land an ulp below their value.
 _ROUND_OFF = 1e-12
@@ -40,13 +51,16 @@ _ROUND_OFF = 1e-12
 @dataclass(frozen=True)
 class GateThresholds:
     """What a candidate must show. Ratios are plain numbers (1.2 = 20% faster); ``confidence``
-    is the two-sided level of the bootstrap interval whose lower end must reach ``min_speedup``."""
+    is the two-sided level of the bootstrap interval whose lower end must reach ``min_speedup``
+    (against eager) and ``min_gain_over_preferred`` (against a more preferred enabled
+    candidate, see :func:`choose_backend`)."""
 
     min_speedup: float = 1.2
     min_cosine: float = 0.999
     min_cosine_quantized: float = 0.99
     min_top1_agreement: float = 0.99
     confidence: float = 0.95
+    min_gain_over_preferred: float = 1.1
 
 
 @dataclass(frozen=True)
@@ -80,14 +94,17 @@ class Measurement:
 @dataclass(frozen=True)
 class Verdict:
     """A gate's decision for one candidate: ``enabled``, its speed-up (geometric mean over
-    shapes, ``None`` when not measured), the reasons, one line each, and the lower end of the
-    speed-up's bootstrap interval (``None`` when not computed)."""
+    shapes, ``None`` when not measured), the reasons, one line each, the lower end of the
+    speed-up's bootstrap interval (``None`` when not computed), and the candidate's own latency
+    in ms per shape, then per repeat (``Measurement.candidate_repeats_ms``), which
+    :func:`choose_backend` compares between candidates."""
 
     backend: str
     enabled: bool
     speedup: float | None
     reasons: tuple[str, ...] = field(default_factory=tuple)
     speedup_low: float | None = None
+    repeats_ms: tuple[tuple[float, ...], ...] = ()
 
 
 def speedups(measurement: Measurement) -> list[float]:
@@ -145,7 +162,9 @@ def judge(measurement: Measurement, thresholds: GateThresholds) -> Verdict:
     low = bootstrap_lower_bound(repeats, thresholds.confidence) if repeats else None
     speed_ok, speed_reason = _speed(speedup, min(ratios), low, thresholds)
     accurate, accuracy_reason = _accuracy(measurement, thresholds)
-    return Verdict(name, speed_ok and accurate, speedup, (speed_reason, accuracy_reason), low)
+    return Verdict(
+        name, speed_ok and accurate, speedup, (speed_reason, accuracy_reason), low, measurement.candidate_repeats_ms,
+    )
 
 
 def _speed(speedup: float, slowest: float, low: float | None, t: GateThresholds) -> tuple[bool, str]:
@@ -187,7 +206,39 @@ def _accuracy(m: Measurement, t: GateThresholds) -> tuple[bool, str]:
     return False, "no accuracy measurement"
 
 
-def choose_backend(verdicts: list[Verdict]) -> str:
-    """The enabled candidate with the largest speed-up; ``"eager"`` when none is enabled."""
-    enabled = [v for v in verdicts if v.enabled and v.speedup is not None]
-    return max(enabled, key=lambda v: v.speedup or 0.0).backend if enabled else "eager"
+def choose_backend(verdicts: list[Verdict], thresholds: GateThresholds = GateThresholds()) -> str:
+    """The backend a bucket should run: the most preferred enabled candidate
+    (:data:`BACKEND_PREFERENCE`), unless a less preferred one is confidently faster than it
+    (:func:`gain_lower_bound` at least ``thresholds.min_gain_over_preferred``); ``"eager"``
+    when none is enabled. The candidates are taken in order of preference, each challenging the
+    choice so far, so the result depends on the figures and the order, never on which median
+    happened to be lower in a tie."""
+    enabled = sorted((v for v in verdicts if v.enabled and v.speedup is not None), key=_preference)
+    if not enabled:
+        return "eager"
+    chosen = enabled[0]
+    for challenger in enabled[1:]:
+        low = gain_lower_bound(challenger, chosen, thresholds.confidence)
+        if low is not None and low >= thresholds.min_gain_over_preferred - _ROUND_OFF:
+            chosen = challenger
+    return chosen.backend
+
+
+def gain_lower_bound(challenger: Verdict, incumbent: Verdict, confidence: float) -> float | None:
+    """The lower end of the two-sided ``confidence`` bootstrap interval of how much faster
+    ``challenger`` ran than ``incumbent``: per repeat, the geometric mean over shapes of
+    ``incumbent_ms / challenger_ms`` (the two ran in the same interleaved round); ``None`` when
+    either has no per-repeat figures or their shapes or repeats differ in number."""
+    a, b = challenger.repeats_ms, incumbent.repeats_ms
+    if not a or len(a) != len(b) or any(len(x) != len(y) or not x for x, y in zip(a, b)):
+        return None
+    per_shape = [_ratios(challenger.backend, y, x) for x, y in zip(a, b)]
+    if len({len(r) for r in per_shape}) > 1:
+        return None
+    return bootstrap_lower_bound([_geometric_mean(list(r)) for r in zip(*per_shape)], confidence)
+
+
+def _preference(verdict: Verdict) -> tuple[int, str]:
+    name = verdict.backend
+    rank = BACKEND_PREFERENCE.index(name) if name in BACKEND_PREFERENCE else len(BACKEND_PREFERENCE)
+    return rank, name
