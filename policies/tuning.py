@@ -159,6 +159,18 @@ class KnobProposal:
     notes: tuple[str, ...]
 
 
+def _chosen_step(points: list[SweepPoint], slo: SLO, knee: int | None) -> tuple[int, str]:
+    """The index of the step :func:`propose_knobs` bases its knobs on, and why (one line)."""
+    candidates = [i for i in range(len(points) if knee is None else max(1, knee)) if points[i].requests_per_s > 0]
+    keeping = [i for i in candidates if not slo.breached(points[i].ttft_p95_ms, points[i].tpot_p95_ms)]
+    if keeping:
+        chosen = max(keeping, key=lambda i: (_throughput(points[i]), -points[i].concurrency))
+        return chosen, (f"concurrency {points[chosen].concurrency}: the most throughput within the SLO"
+                        + ("" if knee is None else f", below the knee at {points[knee].concurrency}"))
+    chosen = next(i for i, p in enumerate(points) if p.requests_per_s > 0)
+    return chosen, f"no step kept the SLO; concurrency {points[chosen].concurrency}, the smallest load that completed requests, is proposed"
+
+
 def propose_knobs(
     points: list[SweepPoint], slo: SLO, kind: str, knee: int | None, max_input_tokens: int
 ) -> KnobProposal:
@@ -188,18 +200,10 @@ def propose_knobs(
         raise ValueError("propose_knobs needs at least one sweep point")
     if kind not in ("continuous", "dynamic"):
         raise ValueError(f"kind must be 'continuous' or 'dynamic', not {kind!r}")
-    notes = []
     if all(p.requests_per_s <= 0 for p in points):
         raise ValueError("no step of the sweep completed a request: nothing to base knobs on")
-    candidates = [i for i in range(len(points) if knee is None else max(1, knee)) if points[i].requests_per_s > 0]
-    keeping = [i for i in candidates if not slo.breached(points[i].ttft_p95_ms, points[i].tpot_p95_ms)]
-    if keeping:
-        chosen = max(keeping, key=lambda i: (_throughput(points[i]), -points[i].concurrency))
-        notes.append(f"concurrency {points[chosen].concurrency}: the most throughput within the SLO"
-                     + ("" if knee is None else f", below the knee at {points[knee].concurrency}"))
-    else:
-        chosen = next(i for i, p in enumerate(points) if p.requests_per_s > 0)
-        notes.append(f"no step kept the SLO; concurrency {points[chosen].concurrency}, the smallest load that completed requests, is proposed")
+    chosen, choice_note = _chosen_step(points, slo, knee)
+    notes = [choice_note]
     point = points[chosen]
     batch = max(1, point.concurrency)
     throughput = max(point.requests_per_s, 1e-9)
