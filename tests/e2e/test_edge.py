@@ -79,6 +79,10 @@ def test_the_admin_api_off_says_how_to_enable_it(server_url: str) -> None:
     error = response.json()["error"]
     assert error["code"] == "admin_api_disabled"
     assert "SLUICE_ADMIN_TOKEN" in error["message"] and "admin_allow_loopback_without_token" in error["message"]
+    unknown_path = httpx.get(f"{server_url}/admin/no-such-path", timeout=30)
+    wrong_method = httpx.post(f"{server_url}/admin/slices", timeout=30)
+    assert [r.status_code for r in (unknown_path, wrong_method)] == [403, 403]
+    assert unknown_path.json() == wrong_method.json() == response.json()
 
 
 @pytest.fixture(scope="module")

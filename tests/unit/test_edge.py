@@ -185,3 +185,36 @@ def test_a_whole_config_error_leaves_out_the_batcher_kind_tag() -> None:
         GatewayConfig.model_validate(data)
     error = config_validation_error(invalid.value)
     assert (error.code, error.param) == ("invalid_config", "models.0.buckets.0.batcher.max_num_seqs")
+
+
+def _admin_app(monkeypatch: pytest.MonkeyPatch, token: str | None) -> Any:
+    """The gateway app on a config whose models never load (no lifespan runs in these tests)."""
+    from gateway.app import create_app
+
+    if token is None:
+        monkeypatch.delenv("SLUICE_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("SLUICE_ADMIN_TOKEN", token)
+    return create_app(GatewayConfig.model_validate(make_config_data()))
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/admin/models"), ("GET", "/admin/no-such-path"), ("GET", "/admin"),
+                                              ("POST", "/admin/slices"), ("DELETE", "/admin/config")])
+def test_with_the_admin_api_off_every_admin_request_gets_the_disabled_error(
+    monkeypatch: pytest.MonkeyPatch, method: str, path: str
+) -> None:
+    from litestar.testing import TestClient
+
+    response = TestClient(_admin_app(monkeypatch, None)).request(method, path)
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "admin_api_disabled"
+
+
+def test_with_the_admin_api_on_an_unknown_admin_path_needs_the_token_then_is_a_404(monkeypatch: pytest.MonkeyPatch) -> None:
+    from litestar.testing import TestClient
+
+    client = TestClient(_admin_app(monkeypatch, "secret"))
+    assert client.get("/admin/no-such-path").status_code == 401
+    found = client.get("/admin/no-such-path", headers={"Authorization": "Bearer secret"})
+    assert found.status_code == 404 and set(found.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.post("/admin/slices", headers={"Authorization": "Bearer secret"}).status_code == 405
