@@ -53,6 +53,15 @@ def test_an_unknown_path_is_logged_too(server_url: str, server_log: Path) -> Non
     assert (event["status"], event["route"], event["outcome"]) == (404, None, "not_found")
 
 
+def test_an_embedding_input_too_long_names_input_and_the_bucket_limit(server_url: str) -> None:
+    long_input = "word " * 700  # over the largest bucket (256 tokens) and max_model_len (512)
+    response = httpx.post(f"{server_url}/v1/embeddings", json={"model": EMBED_MODEL, "input": long_input}, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("input", "prompt_too_long")
+    assert "max_tokens" not in error["message"] and "at most 256 input tokens" in error["message"]
+
+
 def test_metrics_content_type_has_one_charset(server_url: str) -> None:
     content_type = httpx.get(f"{server_url}/metrics", timeout=30).headers["content-type"]
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
