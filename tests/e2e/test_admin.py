@@ -133,3 +133,22 @@ def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(server: Ser
         ("unload_model", "ready", "draining"), ("unload_model", "draining", "unloaded"),
     ]
     assert audit[0]["who"] == "127.0.0.1"
+
+
+def test_a_new_layout_keeping_a_buckets_name_keeps_its_counters(server: Server) -> None:
+    url = server.url
+    embedded = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": ["one", "two"]}, timeout=60)
+    assert embedded.status_code == 200 and embedded.headers["x-sluice-bucket"] == "le16"
+
+    def counters() -> dict[str, dict[str, int]]:
+        model = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=AUTH, timeout=30).json()
+        return {b["name"]: b["stats"] for b in model["buckets"]}
+
+    before = counters()
+    assert before["le16"]["num_finished"] >= 2
+    layout = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=AUTH, timeout=30).json()["config"]["buckets"]
+    swapped = httpx.put(f"{url}/admin/models/{EMBED_MODEL}/buckets", json={"buckets": layout}, headers=AUTH, timeout=120)
+    assert swapped.status_code == 200, swapped.text
+    after = counters()
+    for name, stats in before.items():
+        assert after[name]["num_finished"] >= stats["num_finished"] and after[name]["num_steps"] >= stats["num_steps"]
