@@ -8,8 +8,8 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import structlog
