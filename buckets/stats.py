@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 from buckets.request import Request
@@ -13,7 +13,11 @@ BatchObserver = Callable[[int, int, int], None]
 
 @dataclass(frozen=True)
 class BucketStats:
-    """Counters since the bucket started, plus the current queue state.
+    """Counters since the bucket key (model, bucket name) first served, plus the current state.
+
+    A rebuilt bucket (a backend switch, a new layout reusing the name) carries the counters of
+    the builds it replaced over (:func:`carry_over`); the fields of :data:`PER_BUILD_FIELDS`
+    (the queue and the KV pool) are the current build's alone.
 
     ``num_steps`` counts forwards (continuous steps or dynamic batches);
     ``num_multi_seq_steps`` those that carried more than one request;
@@ -69,6 +73,28 @@ class BucketStats:
     def kv_usage(self) -> float:
         """Fraction of the pool's blocks held by sequences (0.0 without a pool)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+# The BucketStats fields that describe the current build only: its queue and its KV pool. Every
+# other field counts since the bucket key first served.
+PER_BUILD_FIELDS = frozenset({
+    "kind", "num_waiting", "num_running", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_evictable",
+})
+# Cumulative fields that keep the largest value of the builds rather than their sum.
+MAX_FIELDS = frozenset({"max_batch_seqs"})
+
+
+def carry_over(previous: BucketStats, current: BucketStats) -> BucketStats:
+    """``current`` (a rebuilt bucket's own snapshot) with the cumulative counters of ``previous``
+    (those of the builds it replaced) added in: summed, ``max_batch_seqs`` the larger of the two;
+    :data:`PER_BUILD_FIELDS` are ``current``'s."""
+    changes = {}
+    for stat in fields(BucketStats):
+        if stat.name in PER_BUILD_FIELDS:
+            continue
+        before, now = getattr(previous, stat.name), getattr(current, stat.name)
+        changes[stat.name] = max(before, now) if stat.name in MAX_FIELDS else before + now
+    return replace(current, **changes)
 
 
 @dataclass

@@ -9,8 +9,11 @@ where it is. A knob change applies from the bucket's next step or batch.
 Auth is a bearer token from the environment variable ``SLUICE_ADMIN_TOKEN``, compared in
 constant time (``hmac.compare_digest``); a missing or wrong token gets a 401. With no token set
 the admin API is disabled (403 ``admin_api_disabled``, saying how to enable it), unless the
-config's ``admin_allow_loopback_without_token`` opens it to clients on the loopback interface alone. Every change is logged as an ``admin_audit``
-event: who (client address), what, before, after.
+config's ``admin_allow_loopback_without_token`` opens it to clients on the loopback interface alone.
+The same refusal answers an ``/admin`` path no route matches (404) or a method a route does not
+take (405) before those errors do (:func:`unmatched_admin_error`), so every ``/admin`` request
+gets it while the API is off. Every change is logged as an ``admin_audit`` event: who (client
+address), what, before, after.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
-def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler | None) -> None:
     """litestar guard running :func:`check_admin_token` on every admin route."""
     engine: Engine = connection.app.state.engine
     client = connection.client.host if connection.client else None
@@ -93,6 +96,22 @@ def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHand
         client,
         engine.config.admin_allow_loopback_without_token,
     )
+
+
+def is_admin_path(path: str) -> bool:
+    """Whether ``path`` lies under ``/admin``."""
+    return path == AdminController.path or path.startswith(AdminController.path + "/")
+
+
+def unmatched_admin_error(connection: ASGIConnection[Any, Any, Any, Any], error: APIError) -> APIError:
+    """The answer to an ``/admin`` request no route took (``error``: its 404 or 405): the
+    admin API's refusal (403 ``admin_api_disabled``, 401) when :func:`admin_guard` would refuse
+    the caller, else ``error``."""
+    try:
+        admin_guard(connection, None)
+    except APIError as refusal:
+        return refusal
+    return error
 
 
 def describe_model(served: ServedModel) -> dict[str, Any]:

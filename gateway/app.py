@@ -13,12 +13,13 @@ from typing import Any
 import structlog
 from litestar import Litestar, Request, get
 from litestar.datastructures import State
+from litestar.exceptions import HTTPException
 from litestar.params import FromQuery
 from litestar.response import Response
 
 from buckets.bucket import Bucket
 from gateway.access_log import AccessLog
-from gateway.admin import AdminController
+from gateway.admin import AdminController, is_admin_path, unmatched_admin_error
 from gateway.background_gates import BackgroundGates, gate_states
 from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardController
@@ -34,12 +35,15 @@ from gateway.routes.openai import OpenAIController
 log = structlog.get_logger(__name__)
 
 
-def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    """Every error a handler raises, in OpenAI's body shape; an unexpected one is logged (a bug)."""
+def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Every error a handler raises, in OpenAI's body shape; an unexpected one is logged (a bug).
+    An ``/admin`` path or method no route takes gets the admin API's refusal first."""
     if not is_domain_error(exc):
         log.exception("unhandled_error", error=repr(exc))
         return Response(APIError(500, "internal server error", "server_error").body(), status_code=500)
     error = to_api_error(exc)
+    if isinstance(exc, HTTPException) and exc.status_code in (404, 405) and is_admin_path(request.scope["path"]):
+        error = unmatched_admin_error(request, error)
     return Response(error.body(), status_code=error.status_code, headers=error.headers or None)
 
 

@@ -1,4 +1,5 @@
-"""The ``sluice`` command: ``sluice serve``, ``sluice bench engine``, ``sluice bench load|tune|batching|output``, ``sluice gate`` and ``sluice kv-plan``."""
+"""The ``sluice`` command: ``sluice serve``, ``sluice prepare``, ``sluice bench engine``,
+``sluice bench load|tune|batching|output``, ``sluice gate`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
@@ -47,6 +48,33 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    """Do what a first start would otherwise do before serving (``make install`` runs it): convert
+    the config's GGUF models to safetensors folders and build the C++ decode kernel, both cached,
+    each step logging its start, end and ``duration_s``. A kernel that cannot be built is logged
+    (serving then uses torch's attention) and is no failure. Returns 2 for an unusable config or
+    model source."""
+    from gateway.config import load_config
+    from gateway.errors import ConfigError
+    from gateway.logging import configure_logging
+    from models.errors import ModelError
+    from models.paged_attention import compiled_kernel_available
+    from models.source import default_cache_dir, model_folder
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    configure_logging(args.log_level.upper())
+    try:
+        config = load_config(args.config)
+        cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
+        for model in config.models:
+            model_folder(model.source, cache_dir)
+    except (ConfigError, ModelError) as exc:
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+    compiled_kernel_available()
     return 0
 
 
@@ -134,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
+    prepare = commands.add_parser("prepare", help="convert the config's GGUF models and build the C++ kernel ahead of serving")
+    prepare.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    prepare.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    prepare.set_defaults(func=_prepare)
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, help_text in BENCH_COMMANDS:

@@ -8,6 +8,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ import structlog
 
 from buckets.bucket import Bucket, BucketTable
 from buckets.request import Request
-from buckets.slices.slice import Slice
+from buckets.slices.slice import BucketKey, Slice
 from gateway import build, memory
 from gateway.build import BucketBuilder, WorkerMain
 from gateway.config import BucketConfig, GatewayConfig, ModelConfig
@@ -73,7 +74,9 @@ def drain_buckets(buckets: list[Bucket], timeout_s: float, poll_s: float = 0.02)
     num_unfinished = 0
     for bucket in buckets:
         stats = bucket.stats()
-        num_unfinished += stats.num_waiting + stats.num_running
+        num_left = stats.num_waiting + stats.num_running
+        num_unfinished += num_left
+        bucket.freeze_stats(num_failed=num_left)  # a bucket that replaced it carries its counters on
         bucket.device_slice.detach(bucket.key)  # fails what is left
     return drain_s, num_unfinished
 
@@ -112,6 +115,8 @@ class Engine:
         self.bucket_hooks: list[BucketHook] = []
         self.kv_memory_bytes = memory.split_kv_memory(config, build.slice_kv_budgets(config))
         self.weight_bytes: dict[str, int] = {}  # per model loaded with weights here, for the slices' memory budgets
+        # Each built bucket's slice and KV pool bytes (0: no pool), until it is detached.
+        self.kv_pool_bytes: dict[BucketKey, tuple[str, int]] = {}
 
     def start(self) -> None:
         for model_config in self.config.models:
@@ -143,6 +148,8 @@ class Engine:
         drain_s, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s, poll_s)
         del self.models[name]
         self.weight_bytes.pop(name, None)
+        for bucket in served.table.buckets:
+            self.kv_pool_bytes.pop(bucket.key, None)
         self.config = self.config.model_copy(update={"models": [m for m in self.config.models if m.name != name]})
         del served
         release_memory()
@@ -164,17 +171,22 @@ class Engine:
     def replace_layout(self, name: str, model: ModelConfig, config: GatewayConfig) -> list[Bucket]:
         """Serve model ``name`` through new buckets built from ``model.buckets``: the new table is
         swapped in at once for new requests; the old buckets are closed and returned, still
-        running what they admitted (drain them with :func:`drain_buckets`). Blocking (KV pools
+        running what they admitted (drain them with :func:`drain_buckets`). A new bucket with an
+        old one's name carries its cumulative counters over (:meth:`Bucket.stats`). Blocking (KV pools
         are allocated): call it off the event loop.
 
         Raises:
-            ConfigError: the new KV pools do not fit the slices' budgets.
+            ConfigError: the new KV pools, beside the old ones while they drain, do not fit the
+                slices' budgets.
         """
         served = self.models[name]
-        self._check_budgets(config)
+        self._check_budgets(config, served.table.buckets)
         buckets = self._buckets(model, served.loaded, served.layout_no + 1)
         served.layout_no += 1
         old = served.table.buckets
+        replaced = {b.name: b for b in old}
+        for bucket in buckets:
+            bucket.predecessor = replaced.get(bucket.name)  # a name kept keeps its counters
         served.table = BucketTable(buckets)  # one reference swap: routing sees old or new, whole
         for bucket in old:
             bucket.close()
@@ -186,22 +198,26 @@ class Engine:
         """Serve bucket ``bucket_name`` of model ``name`` through a new bucket built from the same
         config (its backend chosen again: a gate record written since counts), swapped into the
         table at once (one reference assignment); the old bucket is closed, still running what it
-        admitted (retire it with :meth:`retire`). Blocking (a backend is built and warmed): call
+        admitted (retire it with :meth:`retire`), and the new one carries its cumulative counters
+        over (:meth:`Bucket.stats`). Blocking (a backend is built and warmed): call
         it off the event loop.
 
         Returns:
             ``(old bucket, new bucket)``.
         Raises:
             KeyError: no such model or bucket.
-            ConfigError: the new KV pool does not fit the slices' budgets.
+            ConfigError: the new KV pool, beside the old one while it drains (and those of
+                buckets still retiring), goes over a slice's ``memory_budget_bytes``; nothing
+                changes then.
         """
         served = self.models[name]
         old = served.table.by_name(bucket_name)
         if old is None:
             raise KeyError(bucket_name)
         config = next(b for b in served.config.buckets if b.bucket_name == bucket_name)
-        self._check_budgets(self.config)
+        self._check_budgets(self.config, [old])
         new = self._bucket(served.config, served.loaded, config, served.layout_no + 1)
+        new.predecessor = old  # its counters carry over
         served.layout_no += 1
         served.table = BucketTable([new if b is old else b for b in served.table.buckets])
         old.close()
@@ -233,6 +249,7 @@ class Engine:
             drain_s, num_unfinished = drain_buckets(buckets, timeout_s)
             for retired in buckets:
                 self.retiring.remove(retired)
+                self.kv_pool_bytes.pop(retired.key, None)
             buckets.clear()
             release_memory()
             log.info("buckets_retired", drain_s=round(drain_s, 3), num_unfinished=num_unfinished)
@@ -247,16 +264,25 @@ class Engine:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         return self.config.model_dump(mode="json"), slice_name, level
 
-    def _check_budgets(self, config: GatewayConfig) -> None:
+    def _check_budgets(self, config: GatewayConfig, replaced: Sequence[Bucket] = ()) -> None:
         """Split the slices' KV memory for ``config`` and check their memory budgets with the
-        weights loaded so far; keep the split.
+        weights loaded so far and the pools still allocated beside the new ones (``replaced``,
+        the buckets a change is about to close, and those still retiring); keep the split.
 
         Raises:
             ConfigError: the KV pools, with the weights, do not fit a slice's budgets.
         """
         kv_memory_bytes = memory.split_kv_memory(config, build.slice_kv_budgets(config))
-        memory.check_slice_budgets(config, kv_memory_bytes, self.weight_bytes)
+        memory.check_slice_budgets(config, kv_memory_bytes, self.weight_bytes, self._draining_kv_bytes(replaced))
         self.kv_memory_bytes = kv_memory_bytes
+
+    def _draining_kv_bytes(self, replaced: Sequence[Bucket] = ()) -> dict[str, int]:
+        """KV pool bytes per slice name of the buckets still retiring and of ``replaced``."""
+        draining: dict[str, int] = {}
+        for key in {b.key for b in [*self.retiring, *replaced]}:
+            slice_name, pool_bytes = self.kv_pool_bytes.get(key, ("", 0))
+            draining[slice_name] = draining.get(slice_name, 0) + pool_bytes
+        return draining
 
     def _needs_weights(self, config: ModelConfig) -> bool:
         """Whether a bucket of ``config`` runs in this process (on a slice that needs weights)."""
@@ -281,7 +307,7 @@ class Engine:
         )
         all_weights = self.weight_bytes if model_weight_bytes is None else {**self.weight_bytes, config.name: model_weight_bytes}
         try:
-            memory.check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, all_weights)
+            memory.check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, all_weights, self._draining_kv_bytes())
         except ConfigError:
             loaded = None  # type: ignore[assignment]  # drop the weights: the traceback keeps this frame
             release_memory()
@@ -299,6 +325,7 @@ class Engine:
         """Build bucket ``config`` of ``model`` on its slice and hand it to the bucket hooks."""
         builder = BucketBuilder(self.cache_dir, self.config.gate, self.kv_memory_bytes, self.defer_gates)
         bucket = builder.bucket(model, loaded, config, self.slices[config.slice], layout_no)
+        self.kv_pool_bytes[bucket.key] = (config.slice, self.kv_memory_bytes.get((model.name, config.bucket_name), 0))
         for hook in self.bucket_hooks:
             hook(model.name, bucket)
         return bucket

@@ -124,13 +124,21 @@ def weight_bytes(model: Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[BucketName, int], weights: dict[str, int]) -> None:
+def check_slice_budgets(
+    config: GatewayConfig,
+    kv_bytes: dict[BucketName, int],
+    weights: dict[str, int],
+    draining_kv_bytes: dict[str, int] | None = None,
+) -> None:
     """Every slice with a ``memory_budget_bytes`` holds the weights of the models with a bucket
-    on it (those in ``weights``, bytes: loaded so far in this process) plus the KV pools of its
-    continuous buckets (``kv_bytes``, bytes).
+    on it (those in ``weights``, bytes: loaded so far in this process), the KV pools of its
+    continuous buckets (``kv_bytes``, bytes) and the pools still allocated beside them
+    (``draining_kv_bytes``, bytes per slice name: the buckets a rebuild or a new layout replaced,
+    which keep their pools until they have drained).
 
     Raises:
-        ConfigError: naming the slice, its weights and KV bytes, and its budget (``memory_budget_exceeded``).
+        ConfigError: naming the slice, its weights, KV and draining KV bytes, and its budget
+            (``memory_budget_exceeded``).
     """
     for index, slice_config in enumerate(config.slices):
         budget = slice_config.memory_budget_bytes
@@ -142,15 +150,25 @@ def check_slice_budgets(config: GatewayConfig, kv_bytes: dict[BucketName, int], 
             kv_bytes.get((m.name, b.bucket_name), 0) for m in config.models for b in config.continuous_buckets(slice_config.name)
             if b in m.buckets
         )
-        if weights_total + kv_total > budget:
-            loaded = ", ".join(f"{name} {weights[name]}" for name in models if name in weights)
-            pending = [name for name in models if name not in weights]
-            if pending:
-                loaded += f"; not yet loaded, so not counted: {', '.join(pending)}"
-            param = f"slices.{index}.memory_budget_bytes"
-            raise ConfigError(
-                f"{param}: slice {slice_config.name!r} needs {weights_total + kv_total} bytes "
-                f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}), over its budget of {int(budget)}",
-                param=param,
-                code="memory_budget_exceeded",
-            )
+        draining_total = (draining_kv_bytes or {}).get(slice_config.name, 0)
+        if weights_total + kv_total + draining_total > budget:
+            raise _over_budget(index, slice_config.name, int(budget), models, weights, kv_total, draining_total)
+
+
+def _over_budget(
+    index: int, slice_name: str, budget: int, models: list[str], weights: dict[str, int], kv_total: int, draining_total: int
+) -> ConfigError:
+    """The error of slice number ``index`` going over its ``memory_budget_bytes`` (``budget``)."""
+    weights_total = sum(weights.get(name, 0) for name in models)
+    loaded = ", ".join(f"{name} {weights[name]}" for name in models if name in weights)
+    pending = [name for name in models if name not in weights]
+    if pending:
+        loaded += f"; not yet loaded, so not counted: {', '.join(pending)}"
+    draining = f"; pools of replaced buckets still draining {draining_total}" if draining_total else ""
+    param = f"slices.{index}.memory_budget_bytes"
+    return ConfigError(
+        f"{param}: slice {slice_name!r} needs {weights_total + kv_total + draining_total} bytes "
+        f"(weights {weights_total}: {loaded or 'none loaded'}; KV pools {kv_total}{draining}), over its budget of {budget}",
+        param=param,
+        code="memory_budget_exceeded",
+    )

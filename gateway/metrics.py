@@ -6,8 +6,8 @@ called where the request is logged); batch shapes once per forward from the work
 (outcomes, preemptions) and current state (queue depth, KV usage, slice busy ratio) are read from
 the buckets' stats at scrape time by :class:`EngineCollector`, so the step loop pays nothing for them.
 
-Requests no bucket took (a 400 before routing, a 404) are counted by :meth:`Metrics.observe_http`
-with an empty ``bucket`` label. Embedding (dynamic) buckets export no generation-only series
+Requests no bucket took (a 400 before routing, a 404, a 503 while the model drains) are counted
+by :meth:`Metrics.observe_http` with an empty ``bucket`` label. Embedding (dynamic) buckets export no generation-only series
 (time to first token, time per output token, generated tokens, preemptions, KV usage).
 
 Names follow vLLM's where one exists (``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from buckets.request import GenerationRequest, Request
-from gateway.outcome import outcome_of_status
+from gateway.outcome import Outcome, outcome_of_status
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -164,12 +164,15 @@ class Metrics:
 
         return observe
 
-    def observe_http(self, path: str, status: int, model: str | None) -> None:
-        """Count an API request answered before any bucket took it (``status`` 404: ``not_found``,
-        another 4xx but 429 and 499: ``invalid_request``). The ``model`` label is the body's
-        model only when it is served (clients cannot add series), else empty."""
+    def observe_http(self, path: str, status: int, model: str | None, reached_bucket: bool) -> None:
+        """Count an API request answered before any bucket took it, with the outcome of its
+        ``status`` (404 ``not_found``, 503 ``unavailable``, 499 ``cancelled``, another 4xx
+        ``invalid_request``, another 5xx ``error``). Not counted here: requests a bucket took
+        (``reached_bucket``) and 429s (their bucket's admission counted them), which the buckets'
+        stats count, and answers below 400. The ``model`` label is the body's model only when it
+        is served (clients cannot add series), else empty."""
         outcome = outcome_of_status(status)
-        if outcome is None or not path.startswith("/v1/"):
+        if reached_bucket or outcome in (Outcome.OK, Outcome.REJECTED) or not path.startswith("/v1/"):
             return
         label = model if model is not None and model in self._engine.models else ""
         with self._lock:

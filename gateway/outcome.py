@@ -18,6 +18,7 @@ class Outcome(str, Enum):
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"  # the client hung up
     ERROR = "error"  # the core failed it (5xx)
+    UNAVAILABLE = "unavailable"  # 503 before any bucket took it: the model draining, its slice restarting
     INVALID_REQUEST = "invalid_request"  # a 4xx before any bucket took it (400, 405, 413, 422)
     NOT_FOUND = "not_found"  # 404: an unknown model or path
 
@@ -42,12 +43,19 @@ def outcome_of(last: ChannelItem | None, cancel_reason: InterruptReason | None) 
     return Outcome.TIMEOUT if cancel_reason is InterruptReason.TIMEOUT else Outcome.CANCELLED
 
 
-def outcome_of_status(status_code: int) -> Outcome | None:
-    """The outcome of a request answered with ``status_code`` before any bucket counted it:
-    ``not_found`` (404) or ``invalid_request`` (another 4xx); ``None`` for the statuses a
-    bucket counts (200, 429 rejected, 499 cancelled, 5xx, 504)."""
-    if status_code == 404:
-        return Outcome.NOT_FOUND
-    if 400 <= status_code < 500 and status_code not in (429, 499):
-        return Outcome.INVALID_REQUEST
-    return None
+_OUTCOMES_BY_STATUS = {
+    404: Outcome.NOT_FOUND, 429: Outcome.REJECTED, 499: Outcome.CANCELLED, 503: Outcome.UNAVAILABLE, 504: Outcome.TIMEOUT,
+}
+
+
+def outcome_of_status(status_code: int) -> Outcome:
+    """The outcome of an HTTP answer known only by its ``status_code`` (the ``http_request`` log
+    event of a request whose route noted none, and the count of requests no bucket took):
+    ``ok`` below 400, ``not_found`` (404), ``rejected`` (429), ``cancelled`` (499: the client
+    closed the connection first), ``unavailable`` (503), ``timeout`` (504), ``error`` (any other
+    5xx) and ``invalid_request`` (any other 4xx)."""
+    if status_code in _OUTCOMES_BY_STATUS:
+        return _OUTCOMES_BY_STATUS[status_code]
+    if status_code >= 500:
+        return Outcome.ERROR
+    return Outcome.INVALID_REQUEST if status_code >= 400 else Outcome.OK

@@ -178,10 +178,11 @@ class Router:
         Raises:
             APIError: 400 when the prompt exceeds the largest bucket, the total exceeds
             ``max_model_len``, or the total needs more KV than the bucket's whole pool; each
-            message names the limit.
+            message names the limit. A request that generates nothing (``max_tokens`` 0: an
+            embedding input) meets only the largest bucket's limit, named in its ``param``.
         """
         max_model_len = served.config.max_model_len
-        if num_prompt_tokens + max_tokens > max_model_len:
+        if max_tokens and num_prompt_tokens + max_tokens > max_model_len:  # buckets never exceed max_model_len
             raise invalid_request(
                 f"This model's maximum context length is {max_model_len} tokens; the prompt has "
                 f"{num_prompt_tokens} tokens and max_tokens is {max_tokens}",
@@ -191,7 +192,8 @@ class Router:
         bucket = served.table.pick(num_prompt_tokens)
         if bucket is None:
             raise invalid_request(
-                f"The prompt has {num_prompt_tokens} tokens; the largest bucket of '{served.config.name}' "
+                f"The {'input' if param == 'input' else 'prompt'} has {num_prompt_tokens} tokens; "
+                f"the largest bucket of '{served.config.name}' "
                 f"takes at most {served.table.max_input_tokens} input tokens",
                 param=param,
                 code="prompt_too_long",

@@ -1,5 +1,11 @@
 """Carrying a request's events from a worker thread to the event loop, and interrupting the wait
-when the request's deadline passes or its client hangs up."""
+when the request's deadline passes or its client hangs up.
+
+A deadline that passes while a request generates is the core's to end: its next step drops the
+sequence and sends a last event with ``finish_reason: "timeout"`` and the text held back for stop
+strings (:meth:`buckets.output.OutputProcessor.process`). The edge's deadline is then only a
+backstop, ``DEADLINE_BACKSTOP_S`` later, for a core whose step runs long.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,11 @@ from enum import Enum
 from typing import Any
 
 from buckets.request import Request, RequestEvent
+
+# Seconds after a generating request's deadline the edge interrupts its wait itself, when the
+# core's own timeout event (due at its next step) has not come: a step on a loaded CPU takes
+# well under this, so the backstop fires only for a core that is stuck or far behind.
+DEADLINE_BACKSTOP_S = 1.0
 
 
 class InterruptReason(Enum):
@@ -41,10 +52,15 @@ class EventChannel:
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[ChannelItem] = asyncio.Queue()
+        self.has_events = False  # an event of the core has reached the loop (the request started producing)
 
     def sink(self, event: RequestEvent) -> None:
         """Called by the worker thread: hand the event to the loop (never blocks)."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        self._loop.call_soon_threadsafe(self._put, event)
+
+    def _put(self, event: RequestEvent) -> None:
+        self.has_events = True
+        self._queue.put_nowait(event)
 
     def interrupt(self, reason: InterruptReason) -> None:
         """Called on the loop: queue an :class:`Interrupt` after what is queued."""
@@ -58,9 +74,13 @@ class EventChannel:
 class RequestWatch:
     """Ends the wait on ``channels`` when ``deadline_s`` passes or the HTTP client disconnects.
 
-    On either, every core request in ``requests`` is cancelled (the batcher drops it and frees its
-    blocks at its next step) and each channel gets an :class:`Interrupt`. The deadline is a timer
-    on the event loop, so it fires on time however long the model's current step takes.
+    On a hang-up, every core request in ``requests`` is cancelled (the batcher drops it and frees
+    its blocks at its next step) and each channel gets an :class:`Interrupt`. At the deadline, a
+    request whose channel has had no event yet (still queued, or in its first prefill) is
+    cancelled and interrupted at once, so its 504 comes on time however long the model's current
+    step takes; one that has produced events is left to the core, which ends it at its next step
+    with its last tokens and ``finish_reason: "timeout"``, and is cancelled and interrupted only
+    if that has not happened ``backstop_s`` later. The timers run on the event loop.
 
     The disconnect watch reads the ASGI ``receive`` channel (the body has been read by then, so
     the next message is ``http.disconnect``). Stop it with :meth:`stop_disconnect_watch` before
@@ -68,9 +88,10 @@ class RequestWatch:
 
     Args:
         requests: the core requests to cancel.
-        channels: their event channels.
+        channels: their event channels, in the same order.
         deadline_s: ``time.monotonic()`` seconds; ``None``: no deadline.
         receive: the ASGI receive callable; ``None``: no disconnect watch.
+        backstop_s: seconds past the deadline the edge ends a generating request itself.
     """
 
     def __init__(
@@ -79,14 +100,16 @@ class RequestWatch:
         channels: Sequence[EventChannel],
         deadline_s: float | None,
         receive: Callable[[], Any] | None,
+        backstop_s: float = DEADLINE_BACKSTOP_S,
     ):
         self._requests = requests
         self._channels = channels
+        self._backstop_s = backstop_s
         self.reason: InterruptReason | None = None
-        loop = asyncio.get_running_loop()
-        self._timer = None
+        self._loop = asyncio.get_running_loop()
+        self._timers: list[asyncio.TimerHandle] = []
         if deadline_s is not None:
-            self._timer = loop.call_later(max(0.0, deadline_s - time.monotonic()), self._fire, InterruptReason.TIMEOUT)
+            self._timers.append(self._loop.call_later(max(0.0, deadline_s - time.monotonic()), self._deadline_passed))
         self._watcher = asyncio.ensure_future(self._watch(receive)) if receive is not None else None
 
     async def _watch(self, receive: Callable[[], Any]) -> None:
@@ -96,13 +119,26 @@ class RequestWatch:
                 self._fire(InterruptReason.DISCONNECTED)
                 return
 
+    def _deadline_passed(self) -> None:
+        """Interrupt the waits with no event yet; give the generating ones ``backstop_s`` more."""
+        if self.reason is not None:
+            return
+        self.reason = InterruptReason.TIMEOUT
+        generating = [(r, c) for r, c in zip(self._requests, self._channels) if c.has_events]
+        self._interrupt([(r, c) for r, c in zip(self._requests, self._channels) if not c.has_events], self.reason)
+        if generating:
+            self._timers.append(self._loop.call_later(self._backstop_s, self._interrupt, generating, self.reason))
+
     def _fire(self, reason: InterruptReason) -> None:
         if self.reason is not None:
             return
         self.reason = reason
-        for request in self._requests:
+        self._interrupt(list(zip(self._requests, self._channels)), reason)
+
+    @staticmethod
+    def _interrupt(waits: list[tuple[Request, EventChannel]], reason: InterruptReason) -> None:
+        for request, channel in waits:
             request.cancel("timeout" if reason is InterruptReason.TIMEOUT else "cancelled")
-        for channel in self._channels:
             channel.interrupt(reason)
 
     def stop_disconnect_watch(self) -> None:
@@ -113,6 +149,6 @@ class RequestWatch:
     def close(self) -> None:
         """Stop both watches (the request has finished or been answered)."""
         self.stop_disconnect_watch()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from buckets.request import ErrorEvent, GenerationRequest, Request as CoreRequest, RequestEvent, TokenEvent
+from gateway.access_log import note_outcome
 from gateway.engine import ServedModel
 from gateway.errors import APIError, deadline_exceeded, to_api_error
 from gateway.outcome import outcome_of
@@ -32,8 +33,11 @@ def _envelope(served: ServedModel, request: GenerationRequest, fmt: ResponseForm
 
 
 def finish(served: ServedModel, request: CoreRequest, completion_tokens: int, last: ChannelItem | None, watch: RequestWatch) -> None:
-    """Log ``request`` once, its outcome derived from ``last``, the final item its wait saw."""
-    served.finish(request, completion_tokens, outcome_of(last, watch.reason).value)
+    """Log ``request`` once, its outcome derived from ``last``, the final item its wait saw; the
+    HTTP request's access-log event gets the same outcome."""
+    outcome = outcome_of(last, watch.reason).value
+    note_outcome(outcome)
+    served.finish(request, completion_tokens, outcome)
 
 
 async def first_event(
@@ -59,9 +63,12 @@ async def first_event(
     return item
 
 
-def _failure(served: ServedModel, request: CoreRequest, item: Interrupt | ErrorEvent, watch: RequestWatch) -> APIError:
-    """Log a request that ended without a result, and the error its client gets."""
-    finish(served, request, 0, item, watch)
+def _failure(
+    served: ServedModel, request: CoreRequest, item: Interrupt | ErrorEvent, watch: RequestWatch, completion_tokens: int = 0
+) -> APIError:
+    """Log a request that ended without a result (after ``completion_tokens`` generated), and the
+    error its client gets."""
+    finish(served, request, completion_tokens, item, watch)
     if isinstance(item, Interrupt) and item.reason is InterruptReason.DISCONNECTED:
         return APIError(499, "the client closed the request", "invalid_request_error", code="client_closed_request")
     waited_s = time.monotonic() - request.timeline.get("arrival", time.monotonic())
@@ -82,7 +89,7 @@ async def collect_response(
     """Gather the whole generation, from its ``first`` event on; return the completion object.
 
     A deadline that passes mid-generation ends it with ``finish_reason="timeout"`` and what was
-    generated so far.
+    generated so far (the core's last event carries the text held back for stop strings).
 
     Raises:
         APIError: 500 when the core failed the request; 499 when the client hung up.
@@ -98,7 +105,7 @@ async def collect_response(
                 finish_reason = "timeout"
                 break
             if isinstance(item, (Interrupt, ErrorEvent)):
-                raise _failure(served, request, item, watch)
+                raise _failure(served, request, item, watch, num_completion_tokens)
             assert isinstance(item, TokenEvent)
             pieces.append(item.text)
             token_ids.extend(item.token_ids)

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admin import check_admin_token
 from gateway.errors import APIError
@@ -39,6 +40,15 @@ def server(admin_server: Server) -> Iterator[Server]:
     if GENERATE_MODEL not in httpx.get(f"{admin_server.url}/health", timeout=30).json()["models"]:
         loaded = httpx.post(f"{admin_server.url}/admin/models", json=generate_config, headers=AUTH, timeout=600)
         assert loaded.status_code == 201, loaded.text
+
+
+def _unavailable_count(url: str) -> float:
+    """``sluice_requests_total`` of the generate model's requests refused with a 503 before any bucket."""
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)}
+    return sum(
+        s.value for s in families["sluice_requests"].samples
+        if s.name == "sluice_requests_total" and s.labels == {"model": GENERATE_MODEL, "bucket": "", "outcome": "unavailable"}
+    )
 
 
 def _audit(lines: list[str]) -> list[dict[str, Any]]:
@@ -79,6 +89,7 @@ def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(server: Ser
     body = {"model": GENERATE_MODEL, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     rss_before = resident_memory_bytes(proc)
     num_log_lines_before = len(log_path.read_text().splitlines())
+    num_unavailable_before = _unavailable_count(url)
 
     def new_log_lines() -> list[str]:
         return log_path.read_text().splitlines()[num_log_lines_before:]
@@ -120,6 +131,7 @@ def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(server: Ser
         assert response.headers["Retry-After"] == str(DRAIN_RETRY_AFTER_S)
         error = response.json()["error"]
         assert (error["type"], error["code"], error["param"]) == ("service_unavailable_error", "model_unavailable", "model")
+    assert _unavailable_count(url) - num_unavailable_before == statuses.count(503)  # counted, though no bucket took them
     after = httpx.post(f"{url}/v1/completions", json=body)
     assert after.status_code == 404
     assert GENERATE_MODEL not in httpx.get(f"{url}/health").json()["models"]
@@ -133,3 +145,22 @@ def test_unloading_a_model_drains_it_with_503s_then_frees_its_memory(server: Ser
         ("unload_model", "ready", "draining"), ("unload_model", "draining", "unloaded"),
     ]
     assert audit[0]["who"] == "127.0.0.1"
+
+
+def test_a_new_layout_keeping_a_buckets_name_keeps_its_counters(server: Server) -> None:
+    url = server.url
+    embedded = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": ["one", "two"]}, timeout=60)
+    assert embedded.status_code == 200 and embedded.headers["x-sluice-bucket"] == "le16"
+
+    def counters() -> dict[str, dict[str, int]]:
+        model = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=AUTH, timeout=30).json()
+        return {b["name"]: b["stats"] for b in model["buckets"]}
+
+    before = counters()
+    assert before["le16"]["num_finished"] >= 2
+    layout = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=AUTH, timeout=30).json()["config"]["buckets"]
+    swapped = httpx.put(f"{url}/admin/models/{EMBED_MODEL}/buckets", json={"buckets": layout}, headers=AUTH, timeout=120)
+    assert swapped.status_code == 200, swapped.text
+    after = counters()
+    for name, stats in before.items():
+        assert after[name]["num_finished"] >= stats["num_finished"] and after[name]["num_steps"] >= stats["num_steps"]

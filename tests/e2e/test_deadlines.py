@@ -123,6 +123,38 @@ def test_a_running_request_past_its_timeout_returns_what_it_generated(deadline_u
     assert sum(b["num_timed_out"] for b in stats.values()) >= 1
 
 
+# A stop string the story never contains: the output stage holds back its length less one
+# character of text, which only the core's last (timeout) event releases.
+NEVER_STOP = "<<no such stop string in any story here>>"
+
+
+def _text_and_tokens(response: httpx.Response, stream: bool) -> tuple[str, int, str]:
+    """``(text, completion tokens, finish_reason)`` of a completion, streamed (with usage) or not."""
+    if not stream:
+        choice = response.json()["choices"][0]
+        return choice["text"], response.json()["usage"]["completion_tokens"], choice["finish_reason"]
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return text, chunks[-1]["usage"]["completion_tokens"], finishes[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_timeout_mid_generation_keeps_the_text_held_back_for_stop_strings(deadline_url: str, stream: bool) -> None:
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    body = _completion(LONG_PROMPT, 250, timeout=2.0, stop=[NEVER_STOP], **extra)
+    timed_out = httpx.post(f"{deadline_url}/v1/completions", json=body, timeout=60)
+    assert timed_out.status_code == 200, timed_out.text
+    text, num_tokens, finish_reason = _text_and_tokens(timed_out, stream)
+    assert finish_reason == "timeout" and 0 < num_tokens < 250
+    # The same tokens again, with no deadline: the text of every token generated before it.
+    whole = httpx.post(f"{deadline_url}/v1/completions", json=_completion(LONG_PROMPT, num_tokens, stop=[NEVER_STOP]), timeout=60)
+    assert whole.json()["choices"][0]["finish_reason"] == "length"
+    assert text == whole.json()["choices"][0]["text"]
+    _wait_idle(deadline_url)
+
+
 def test_a_timeout_over_the_models_cap_is_refused(deadline_url: str) -> None:
     response = httpx.post(f"{deadline_url}/v1/completions", json=_completion("Hi", 4, timeout=MAX_TIMEOUT_S + 1))
     assert response.status_code == 400

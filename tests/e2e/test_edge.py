@@ -53,6 +53,15 @@ def test_an_unknown_path_is_logged_too(server_url: str, server_log: Path) -> Non
     assert (event["status"], event["route"], event["outcome"]) == (404, None, "not_found")
 
 
+def test_an_embedding_input_too_long_names_input_and_the_bucket_limit(server_url: str) -> None:
+    long_input = "word " * 700  # over the largest bucket (256 tokens) and max_model_len (512)
+    response = httpx.post(f"{server_url}/v1/embeddings", json={"model": EMBED_MODEL, "input": long_input}, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("input", "prompt_too_long")
+    assert "max_tokens" not in error["message"] and "at most 256 input tokens" in error["message"]
+
+
 def test_metrics_content_type_has_one_charset(server_url: str) -> None:
     content_type = httpx.get(f"{server_url}/metrics", timeout=30).headers["content-type"]
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
@@ -79,6 +88,10 @@ def test_the_admin_api_off_says_how_to_enable_it(server_url: str) -> None:
     error = response.json()["error"]
     assert error["code"] == "admin_api_disabled"
     assert "SLUICE_ADMIN_TOKEN" in error["message"] and "admin_allow_loopback_without_token" in error["message"]
+    unknown_path = httpx.get(f"{server_url}/admin/no-such-path", timeout=30)
+    wrong_method = httpx.post(f"{server_url}/admin/slices", timeout=30)
+    assert [r.status_code for r in (unknown_path, wrong_method)] == [403, 403]
+    assert unknown_path.json() == wrong_method.json() == response.json()
 
 
 @pytest.fixture(scope="module")

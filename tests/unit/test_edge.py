@@ -17,7 +17,7 @@ from buckets.errors import (
     SliceUnavailableError, WorkerCrashedError,
 )
 from buckets.request import EmbeddingEvent, ErrorEvent, TokenEvent
-from gateway.access_log import AccessLog, note
+from gateway.access_log import AccessLog, note, note_outcome
 from gateway.admin import BucketPatch, check_admin_token, knob_path
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, ConfigError, config_validation_error, is_domain_error, to_api_error
@@ -78,10 +78,12 @@ def test_the_outcome_comes_from_the_last_event() -> None:
     assert outcome_of(None, None) is Outcome.CANCELLED
 
 
-def test_statuses_no_bucket_counted_have_their_own_outcomes() -> None:
+def test_every_status_has_an_outcome() -> None:
     assert outcome_of_status(404) is Outcome.NOT_FOUND
     assert {outcome_of_status(s) for s in (400, 405, 413, 422)} == {Outcome.INVALID_REQUEST}
-    assert {outcome_of_status(s) for s in (200, 429, 499, 500, 503, 504)} == {None}
+    assert [outcome_of_status(s) for s in (200, 429, 499, 500, 503, 504)] == [
+        Outcome.OK, Outcome.REJECTED, Outcome.CANCELLED, Outcome.ERROR, Outcome.UNAVAILABLE, Outcome.TIMEOUT,
+    ]
 
 
 def test_response_formats_shape_their_objects() -> None:
@@ -94,8 +96,8 @@ def test_response_formats_shape_their_objects() -> None:
     assert (ResponseFormat.CHAT.id_prefix, ResponseFormat.COMPLETION.id_prefix) == ("chatcmpl", "cmpl")
 
 
-def _serve(app: Any, path: str) -> list[tuple[str, int, str | None]]:
-    finished: list[tuple[str, int, str | None]] = []
+def _serve(app: Any, path: str) -> list[tuple[str, int, str | None, bool]]:
+    finished: list[tuple[str, int, str | None, bool]] = []
     wrapped = AccessLog(app, lambda *args: finished.append(args))
     scope = {"type": "http", "method": "POST", "path": path}
 
@@ -118,23 +120,39 @@ def test_every_request_is_logged_once_with_status_model_and_duration() -> None:
     async def vanish(scope: Any, receive: Any, send: Any) -> None:
         return None
 
+    async def time_out(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 504, "headers": []})
+
+    async def log_request() -> None:
+        note_outcome("timeout")
+
+    async def time_out_in_a_bucket(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.ensure_future(log_request())  # noted in a task the request started, as a stream's
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
     with structlog.testing.capture_logs() as logs:
-        assert _serve(refuse, "/v1/completions") == [("/v1/completions", 400, "m")]
-        assert _serve(vanish, "/v1/chat/completions") == [("/v1/chat/completions", 499, None)]
+        assert _serve(refuse, "/v1/completions") == [("/v1/completions", 400, "m", False)]
+        assert _serve(vanish, "/v1/chat/completions") == [("/v1/chat/completions", 499, None, False)]
+        assert _serve(time_out, "/v1/completions") == [("/v1/completions", 504, None, False)]
+        assert _serve(time_out_in_a_bucket, "/v1/completions") == [("/v1/completions", 200, None, True)]
     events = [e for e in logs if e["event"] == "http_request"]
-    assert [(e["status"], e["model"], e["outcome"]) for e in events] == [(400, "m", "invalid_request"), (499, None, None)]
+    assert [(e["status"], e["model"], e["outcome"]) for e in events] == [
+        (400, "m", "invalid_request"), (499, None, "cancelled"), (504, None, "timeout"), (200, None, "timeout"),
+    ]
     assert all(e["duration_ms"] >= 0 and e["method"] == "POST" for e in events)
 
 
 def test_requests_no_bucket_took_are_counted_with_a_bounded_model_label() -> None:
     engine: Any = SimpleNamespace(models={"m": SimpleNamespace(table=SimpleNamespace(buckets=[]))}, slices={})
     metrics = Metrics(engine)
-    metrics.observe_http("/v1/completions", 400, "m")
-    metrics.observe_http("/v1/completions", 404, "no-such-model")
-    metrics.observe_http("/v1/nope", 404, None)
-    metrics.observe_http("/v1/completions", 429, "m")  # its bucket counts it
-    metrics.observe_http("/health", 404, None)  # not the API
-    assert metrics.unrouted_counts() == {("m", "invalid_request"): 1, ("", "not_found"): 2}
+    metrics.observe_http("/v1/completions", 400, "m", False)
+    metrics.observe_http("/v1/completions", 404, "no-such-model", False)
+    metrics.observe_http("/v1/nope", 404, None, False)
+    metrics.observe_http("/v1/completions", 503, "m", False)  # the model drains: no bucket took it
+    metrics.observe_http("/v1/completions", 429, "m", False)  # its bucket's admission counts it
+    metrics.observe_http("/v1/completions", 504, "m", True)  # its bucket counts it
+    metrics.observe_http("/health", 404, None, False)  # not the API
+    assert metrics.unrouted_counts() == {("m", "invalid_request"): 1, ("", "not_found"): 2, ("m", "unavailable"): 1}
     text = metrics.render().decode()
     assert 'sluice_requests_total{bucket="",model="m",outcome="invalid_request"} 1.0' in text
 
@@ -167,3 +185,36 @@ def test_a_whole_config_error_leaves_out_the_batcher_kind_tag() -> None:
         GatewayConfig.model_validate(data)
     error = config_validation_error(invalid.value)
     assert (error.code, error.param) == ("invalid_config", "models.0.buckets.0.batcher.max_num_seqs")
+
+
+def _admin_app(monkeypatch: pytest.MonkeyPatch, token: str | None) -> Any:
+    """The gateway app on a config whose models never load (no lifespan runs in these tests)."""
+    from gateway.app import create_app
+
+    if token is None:
+        monkeypatch.delenv("SLUICE_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("SLUICE_ADMIN_TOKEN", token)
+    return create_app(GatewayConfig.model_validate(make_config_data()))
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/admin/models"), ("GET", "/admin/no-such-path"), ("GET", "/admin"),
+                                              ("POST", "/admin/slices"), ("DELETE", "/admin/config")])
+def test_with_the_admin_api_off_every_admin_request_gets_the_disabled_error(
+    monkeypatch: pytest.MonkeyPatch, method: str, path: str
+) -> None:
+    from litestar.testing import TestClient
+
+    response = TestClient(_admin_app(monkeypatch, None)).request(method, path)
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "admin_api_disabled"
+
+
+def test_with_the_admin_api_on_an_unknown_admin_path_needs_the_token_then_is_a_404(monkeypatch: pytest.MonkeyPatch) -> None:
+    from litestar.testing import TestClient
+
+    client = TestClient(_admin_app(monkeypatch, "secret"))
+    assert client.get("/admin/no-such-path").status_code == 401
+    found = client.get("/admin/no-such-path", headers={"Authorization": "Bearer secret"})
+    assert found.status_code == 404 and set(found.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.post("/admin/slices", headers={"Authorization": "Bearer secret"}).status_code == 405

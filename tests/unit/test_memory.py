@@ -109,3 +109,37 @@ def test_a_bucket_has_the_same_kv_capacity_on_a_thread_and_a_process_slice(monke
     assert on_thread.kv_capacity_tokens == on_process.kv_capacity_tokens == 512
     assert built == [32]  # the thread slice built its batcher over 32 blocks; the process slice built none
     assert on_process.backend_info == {"configured": bucket_config.backend, "isolation": "process"}
+
+
+def test_pools_still_draining_count_against_a_slices_memory_budget() -> None:
+    config = config_with(
+        [{"name": "s", "device": "cpu", "num_threads": 1, "kv_cache_memory_bytes": GiB, "memory_budget_bytes": 3 * GiB}],
+        [continuous(128)],
+    )
+    kv_bytes = memory.split_kv_memory(config, {"s": GiB})
+    weights = {"gen": GiB // 2}
+    memory.check_slice_budgets(config, kv_bytes, weights, {"s": GiB + GiB // 2})  # 0.5 + 1 + 1.5 GiB: exactly the budget
+    with pytest.raises(ConfigError) as over:
+        memory.check_slice_budgets(config, kv_bytes, weights, {"s": GiB + GiB // 2 + 1})
+    assert over.value.code == "memory_budget_exceeded" and over.value.param == "slices.0.memory_budget_bytes"
+    assert f"needs {3 * GiB + 1} bytes" in str(over.value) and f"still draining {GiB + GiB // 2 + 1}" in str(over.value)
+    memory.check_slice_budgets(config, kv_bytes, weights, {"other-slice": 10 * GiB})  # another slice's pools
+
+
+def test_rebuilding_a_bucket_counts_its_old_pool_while_it_drains() -> None:
+    from buckets.bucket import Bucket, BucketTable
+    from gateway.engine import Engine, ServedModel
+
+    config = config_with(
+        [{"name": "s", "device": "cpu", "num_threads": 1, "kv_cache_memory_bytes": GiB, "memory_budget_bytes": 3 * GiB // 2}],
+        [continuous(128)],
+    )
+    engine = Engine(config)
+    old = Bucket(name="le128", model_name="gen", max_input_tokens=128, device_slice=engine.slices["s"], kind="continuous")
+    engine.models["gen"] = ServedModel(config=config.models[0], loaded=None, table=BucketTable([old]))  # type: ignore[arg-type]
+    engine.kv_pool_bytes[old.key] = ("s", GiB)  # as built: the whole slice's KV memory
+    with pytest.raises(ConfigError) as refused:  # 1 GiB new + 1 GiB old > 1.5 GiB
+        engine.rebuild_bucket("gen", "le128")
+    assert refused.value.code == "memory_budget_exceeded"
+    assert f"needs {2 * GiB} bytes" in str(refused.value) and f"still draining {GiB}" in str(refused.value)
+    assert engine.models["gen"].table.buckets == [old] and not old.closed  # nothing changed

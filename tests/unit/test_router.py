@@ -218,3 +218,14 @@ def test_threads_encoding_at_once_with_both_settings_get_what_each_would_alone()
     for thread in threads:
         thread.join()
     assert not mismatches
+
+
+def test_an_embedding_input_over_every_limit_is_refused_by_the_bucket_limit_naming_input() -> None:
+    served = make_served(max_model_len=600)
+    for num_tokens in (513, 600, 601, 5000):  # over the largest bucket, and over max_model_len
+        with pytest.raises(APIError) as caught:
+            Router.route(served, num_tokens, 0, param="input")  # type: ignore[arg-type]
+        error = caught.value
+        assert (error.status_code, error.code, error.param) == (400, "prompt_too_long", "input")
+        assert "max_tokens" not in error.message and "512 input tokens" in error.message
+        assert error.message.startswith(f"The input has {num_tokens} tokens")

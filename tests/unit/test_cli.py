@@ -1,0 +1,55 @@
+"""``sluice prepare`` (what ``make install`` runs): every model of the config resolved to a model
+folder (a GGUF converted) under the config's cache dir, then the C++ kernel built; 2 for a bad
+config or source."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+import gateway.logging
+import models.paged_attention
+import models.source
+from gateway.cli import main
+from tests.unit.test_config import make_config_data, write_config
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """What ``prepare`` asked of the model sources and the kernel, in order."""
+    # Import every module first: one imported while the fakes are in place would keep them
+    # (``from models.source import model_folder``) after the test.
+    importlib.import_module("gateway.app")
+    seen: list[tuple[str, ...]] = []
+
+    def model_folder(source: str, cache_dir: Path) -> Path:
+        seen.append(("model_folder", source, str(cache_dir)))
+        return cache_dir / "converted"
+
+    def compiled_kernel_available() -> bool:
+        seen.append(("kernel",))
+        return True
+
+    monkeypatch.setattr(models.source, "model_folder", model_folder)
+    # structlog's global config would keep pytest's captured stdout after the test.
+    monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: seen.append(("logging", level)))
+    monkeypatch.setattr(models.paged_attention, "compiled_kernel_available", compiled_kernel_available)
+    return seen
+
+
+def test_prepare_converts_every_model_then_builds_the_kernel(tmp_path: Path, calls: list[tuple[str, ...]]) -> None:
+    data = {**make_config_data(), "cache_dir": str(tmp_path / "cache")}
+    assert main(["prepare", "--config", str(write_config(tmp_path, data)), "--log-level", "warning"]) == 0
+    cache_dir = str(tmp_path / "cache")
+    assert calls == [
+        ("logging", "WARNING"), ("model_folder", "/models/gen", cache_dir), ("model_folder", "/models/emb", cache_dir), ("kernel",),
+    ]
+
+
+def test_prepare_refuses_a_bad_config(tmp_path: Path, calls: list[tuple[str, ...]], capsys: pytest.CaptureFixture[str]) -> None:
+    data = make_config_data()
+    data["models"][0]["max_model_len"] = 1
+    assert main(["prepare", "--config", str(write_config(tmp_path, data))]) == 2
+    assert "max_model_len" in capsys.readouterr().err and calls == [("logging", "INFO")]
