@@ -14,7 +14,7 @@ The bound is asserted on the server's own time per 429 (``answer_ms`` of its ``h
 log event, from the whole request received to the response's start). The clients' times are
 printed beside it with a burst of 404s: they include the event loop's wait for a core, which the
 admitted requests' worker and, on a shared machine, every other process take from it. Through
-this client their p99 measured 0.05-0.15 s at a load average of 3 on 2 cores, and 0.08-0.6 s
+this client their p99 measured 0.05-0.15 s at a load average under 1 on 2 cores, and 0.08-0.6 s
 at 11 to 16 (the 404s' 0.05-0.26 s), too close to the bound to assert here.
 """
 
