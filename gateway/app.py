@@ -31,6 +31,7 @@ from gateway.router import Router
 from gateway.slice_worker import run_slice_worker
 from gateway.tuning import TuningLoop
 from gateway.routes.openai import OpenAIController
+from models.cpu_memory import freeze_long_lived_objects
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +107,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             log.error("startup_failed", error=str(exc))
             raise
         await app.state.router.warm()
+        log.info("heap_frozen", num_objects=freeze_long_lived_objects())  # full collections skip the models
         app.state.config_lock = asyncio.Lock()  # admin changes and the SLO tuner, one at a time
         tuning = asyncio.create_task(TuningLoop(engine, metrics, app.state.config_lock).run())
         log.info("gateway_ready", models=sorted(engine.models))

@@ -22,7 +22,7 @@ from gateway.build import BucketBuilder, WorkerMain
 from gateway.config import BucketConfig, GatewayConfig, ModelConfig
 from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
-from models.cpu_memory import release_memory
+from models.cpu_memory import freeze_long_lived_objects, release_memory
 from models.loader import LoadedModel, load_model
 
 log = structlog.get_logger(__name__)
@@ -157,13 +157,15 @@ class Engine:
 
     def load(self, model: ModelConfig, config: GatewayConfig) -> ServedModel:
         """Load ``model`` (already validated as part of ``config``, the effective config with it)
-        and start serving it. Blocking (seconds): call it off the event loop.
+        and start serving it, its objects frozen with the heap (:func:`~models.cpu_memory.freeze_long_lived_objects`).
+        Blocking (seconds): call it off the event loop.
 
         Raises:
             ConfigError: its KV pools do not fit the slices' budgets.
         """
         self._check_budgets(config)
         served = self._load(model, config)
+        freeze_long_lived_objects()  # as the app does after start: full collections skip this model
         self.models[model.name] = served
         self.config = config
         return served

@@ -44,12 +44,35 @@ def keep_freed_memory_in_heap() -> bool:
     return ok
 
 
-def release_memory() -> None:
-    """Collect garbage, then hand the heap's free pages back to the kernel (glibc ``malloc_trim``),
-    after a model or KV pool is dropped. Off Linux/glibc only the collection runs."""
+def freeze_long_lived_objects() -> int:
+    """Collect garbage, then move every object the collector tracks to its permanent generation
+    (``gc.freeze``), once the models are loaded. Returns how many objects were frozen.
+
+    A full collection traverses every tracked object, holding the GIL: a gateway serving the
+    small chat model tracks about 410,000 after its start, which took 0.75 s on a loaded 2-core
+    machine, and the allocations of a burst of requests set one off now and then, stalling the
+    event loop under the whole burst. Frozen, the models, tokenizers and libraries are skipped
+    by every collection; :func:`release_memory` thaws them first, so a dropped model's reference
+    cycles are still collected.
+    """
     import gc
 
     gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def release_memory() -> None:
+    """Collect garbage, then hand the heap's free pages back to the kernel (glibc ``malloc_trim``),
+    after a model or KV pool is dropped. Off Linux/glibc only the collection runs. Objects frozen by
+    :func:`freeze_long_lived_objects` are collected too, and the survivors frozen again."""
+    import gc
+
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()
     if platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc":
         return
     try:
