@@ -21,7 +21,7 @@ from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, validation_error
 from gateway.response_format import ResponseFormat
 from gateway.router import Prompt, Router, TokenBudget
-from gateway.routes.choices import PromptSource
+from gateway.routes.choices import PromptSource, check_choices, completion_prompts
 from gateway.routes.generation import EchoOnlyResponse, collect_response, finish, first_event, first_events, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
@@ -337,53 +337,6 @@ async def _echo_only(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(out.chunks(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(out.body())
-
-
-def check_choices(served: ServedModel, n: int, best_of: int | None) -> None:
-    """Raises APIError 400: ``n`` over the model's ``max_n``; ``best_of`` other than ``n``
-    (``unsupported_parameter``: every choice is returned, none is picked)."""
-    if n > served.config.max_n:
-        raise invalid_request(
-            f"n is {n}; the model '{served.config.name}' returns at most {served.config.max_n} choices",
-            param="n",
-            code="too_many_choices",
-        )
-    if best_of is not None and best_of != n:
-        raise invalid_request(
-            f"best_of {best_of} differs from n {n}; only best_of equal to n is supported",
-            param="best_of",
-            code="unsupported_parameter",
-        )
-
-
-def completion_prompts(served: ServedModel, body: CompletionBody) -> list[tuple[Prompt, str]]:
-    """Each prompt of a completion body with the text ``echo`` returns for it (a token-id
-    prompt decoded).
-
-    Raises:
-        APIError: 400 naming the position (``prompt.j`` in a list of token ids, ``prompt.i.j``
-            in a list of lists) of a token id outside the model's vocabulary.
-    """
-    items = body.prompts()
-    is_one = isinstance(body.prompt, str) or all(isinstance(x, int) for x in body.prompt)
-    tokenizer = served.loaded.tokenizer
-    vocab_size = min(len(tokenizer), getattr(served.loaded.model_config, "vocab_size", None) or len(tokenizer))
-    out: list[tuple[Prompt, str]] = []
-    for i, item in enumerate(items):
-        param = "prompt" if is_one else f"prompt.{i}"
-        if isinstance(item, str):
-            out.append((Prompt(text=item, param=param), item))
-            continue
-        bad = next((j for j, token_id in enumerate(item) if not 0 <= token_id < vocab_size), None)
-        if bad is not None:
-            form = "the list of token ids" if is_one else f"token-id list {i} of the prompt"
-            raise invalid_request(
-                f"token id {item[bad]} at position {bad} of {form} is outside the vocabulary [0, {vocab_size})",
-                param=f"{param}.{bad}",
-                code="invalid_token_id",
-            )
-        out.append((Prompt(token_ids=item, param=param), tokenizer.decode(item)))
-    return out
 
 
 def timing_headers(request: CoreRequest) -> dict[str, str]:
