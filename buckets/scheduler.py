@@ -331,6 +331,9 @@ class Scheduler:
         """Take failed sequences out of the queues and free their blocks (``ERROR``), with the
         pending forks of each (they cannot start without it). Returns every sequence failed."""
         failed = [s for seq in seqs for s in (seq, *seq.forks)]
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:  # the runner may have sampled for its forks
+                self._released.extend(child.seq_id for child in seq.forks)
         for seq in failed:
             self._finish(seq, FinishReason.ERROR)
         return failed

@@ -22,9 +22,11 @@ class KVRunner:
     another sequence wrote (a shared block written twice, a fork's copy missing) fails the test.
 
     Each sequence's known tokens by position are recorded from its inputs (a fork inherits its
-    parent's); before a step, every earlier position of every scheduled sequence must hold its
+    parent's; a sequence first seen past position 0 starts from prefix-cached blocks, taken as
+    they are); before a step, every earlier position of every scheduled sequence must hold its
     own token. Samples ``1 + (31 * seq_id + position) % 25`` (never ``EOS``), so choices differ.
-    Raises ``RuntimeError`` on the calls whose index is in ``fail_calls``.
+    Raises ``RuntimeError`` on the calls whose index is in ``fail_calls``. A broken check is
+    kept in ``violations`` too, since the batcher turns a runner's exception into failed requests.
     """
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, fail_calls: frozenset[int] = frozenset()) -> None:
@@ -34,9 +36,17 @@ class KVRunner:
         self.known: dict[int, dict[int, int]] = {}
         self.live: set[int] = set()
         self.calls: list[ForwardInput] = []
+        self.violations: list[str] = []
 
     def run(self, batch: ForwardInput) -> ForwardOutput:
         self.calls.append(batch)
+        try:
+            return self._run(batch)
+        except AssertionError as exc:
+            self.violations.append(str(exc))
+            raise
+
+    def _run(self, batch: ForwardInput) -> ForwardOutput:
         for seq_id in batch.released_seq_ids:
             assert seq_id in self.live, f"release of unknown or already released sequence {seq_id}"
             self.live.remove(seq_id)
@@ -46,9 +56,14 @@ class KVRunner:
                 if (src, offset) in self.slots:
                     self.slots[(dst, offset)] = self.slots[(src, offset)]
         for seq in batch.sequences:
-            known = self.known.setdefault(seq.seq_id, {})
+            if seq.seq_id not in self.known:
+                self.known[seq.seq_id] = {p: self.slots[(seq.block_table[p // size], p % size)] for p in range(seq.position)}
+            known = self.known[seq.seq_id]
             for p in range(seq.position):
                 assert self.slots.get((seq.block_table[p // size], p % size)) == known[p], f"seq {seq.seq_id} pos {p}"
+        for seq in batch.sequences:  # a failing step may have made sampler state already
+            if seq.do_sample:
+                self.live.update(seq_id for seq_id, _ in ((seq.seq_id, seq.params), *seq.forks))
         if len(self.calls) - 1 in self.fail_calls:
             raise RuntimeError("CUDA error: out of luck")
         sampled: dict[int, int] = {}
@@ -61,7 +76,6 @@ class KVRunner:
                 continue
             last = seq.position + len(seq.token_ids) - 1
             for seq_id, _ in ((seq.seq_id, seq.params), *seq.forks):
-                self.live.add(seq_id)
                 if seq_id != seq.seq_id:
                     self.known[seq_id] = {p: t for p, t in self.known[seq.seq_id].items() if p <= last}
                 sampled[seq_id] = 1 + (31 * seq_id + last) % 25
@@ -72,8 +86,10 @@ class KVRunner:
         return sum(1 for call in self.calls for s in call.sequences for i in range(len(s.token_ids)) if s.position + i < prompt_len)
 
 
-def make_batcher(runner: KVRunner, max_num_seqs: int = 8, clock: FakeClock | None = None) -> ContinuousBatcher:
-    settings = ContinuousBatcherSettings(max_num_seqs, 64, runner.kv_cache.block_size)
+def make_batcher(
+    runner: KVRunner, max_num_seqs: int = 8, clock: FakeClock | None = None, max_num_batched_tokens: int = 64
+) -> ContinuousBatcher:
+    settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, runner.kv_cache.block_size)
     return ContinuousBatcher(runner, settings, FakeTokenizer(), frozenset({EOS}), clock=clock or FakeClock())
 
 
@@ -99,6 +115,7 @@ def drain(batcher: ContinuousBatcher, max_steps: int = 100) -> None:
 
 
 def assert_all_blocks_back(batcher: ContinuousBatcher, runner: KVRunner) -> None:
+    assert runner.violations == []
     manager = batcher.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks
@@ -157,6 +174,30 @@ def test_a_prompt_of_whole_blocks_forks_without_a_copy() -> None:
     drain(batcher)
     assert all(not call.block_copies for call in runner.calls)
     assert runner.num_prompt_tokens_computed(8) == 8
+    assert_all_blocks_back(batcher, runner)
+
+
+def test_a_chunked_prompt_forks_after_its_last_chunk_only() -> None:
+    runner = KVRunner(block_size=4)
+    batcher = make_batcher(runner, max_num_batched_tokens=4)
+    request = make_request(prompt_len=10, n=3, max_tokens=3)
+    batcher.submit(request)
+    drain(batcher)
+    forking = [s for call in runner.calls for s in call.sequences if s.forks]
+    assert len(forking) == 1 and forking[0].position + len(forking[0].token_ids) == 10
+    assert runner.num_prompt_tokens_computed(10) == 10
+    assert sorted(e.index for e in token_events(request) if e.finish_reason) == [0, 1, 2]
+    assert_all_blocks_back(batcher, runner)
+
+
+def test_a_second_request_reuses_the_cached_prompt_and_forks_too() -> None:
+    runner = KVRunner(block_size=4)
+    batcher = make_batcher(runner)
+    for _ in range(2):
+        batcher.submit(make_request(prompt_len=10, n=2, max_tokens=3))
+        drain(batcher)
+    assert runner.num_prompt_tokens_computed(10) == 10 + 2  # the second prefills only its partial block
+    assert batcher.stats().prefix_cache_hits == 2
     assert_all_blocks_back(batcher, runner)
 
 
