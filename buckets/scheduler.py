@@ -204,6 +204,8 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> None:
         """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow."""
+        if not self.waiting:
+            return
         manager = self.block_manager
         # Seats taken: running sequences and the pending forks of those still prefilling.
         num_seats = len(self.running) + sum(len(s.forks) for s in self.running)
