@@ -20,9 +20,10 @@ from policies.deadlines import can_meet_deadline, expected_wait_s
 class Ticket:
     """One admitted request's place in the queue; :meth:`release` gives it back, once."""
 
-    def __init__(self, admission: AdmissionControl, num_tokens: int):
+    def __init__(self, admission: AdmissionControl, num_tokens: int, num_seqs: int = 1):
         self._admission = admission
         self.num_tokens = num_tokens
+        self.num_seqs = num_seqs
         self.is_released = False
 
     def release(self) -> None:
@@ -61,9 +62,10 @@ class AdmissionControl:
         with self._lock:
             self.max_queue_len, self.max_queued_tokens = max_queue_len, max_queued_tokens
 
-    def admit(self, num_tokens: int, timeout_s: float | None = None) -> Ticket:
+    def admit(self, num_tokens: int, timeout_s: float | None = None, num_seqs: int = 1) -> Ticket:
         """Count a request of ``num_tokens`` prompt tokens (that must start within ``timeout_s``
-        seconds; ``None``: no deadline) as queued.
+        seconds; ``None``: no deadline) as queued: as ``num_seqs`` sequences in ``max_queue_len``
+        (a request with ``n`` choices counts ``n``), its prompt tokens once.
 
         Raises:
             DeadlineUnmeetableError: the queue's expected wait (requests ahead over the recent
@@ -72,29 +74,31 @@ class AdmissionControl:
         """
         with self._lock:
             now = self.clock()
-            refusal = self._refusal(num_tokens, timeout_s, now)
+            refusal = self._refusal(num_tokens, timeout_s, now, num_seqs)
             if refusal is not None:
                 self.num_rejected += 1
                 raise refusal
             self._busy_drain.on_enqueue(now, self.num_queued)
-            self.num_queued += 1
+            self.num_queued += num_seqs
             self.num_queued_tokens += num_tokens
-            return Ticket(self, num_tokens)
+            return Ticket(self, num_tokens, num_seqs)
 
-    def refusal(self, num_tokens: int, timeout_s: float | None = None) -> QueueFullError | None:
+    def refusal(self, num_tokens: int, timeout_s: float | None = None, num_seqs: int = 1) -> QueueFullError | None:
         """The error :meth:`admit` would raise now for a request of at least ``num_tokens`` prompt
-        tokens, without admitting or counting anything; ``None``: it would be admitted. Lets the
-        router refuse a prompt before tokenizing it (thread-safe)."""
+        tokens and ``num_seqs`` sequences, without admitting or counting anything; ``None``: it
+        would be admitted. Lets the router refuse a prompt before tokenizing it (thread-safe)."""
         with self._lock:
-            return self._refusal(num_tokens, timeout_s, self.clock())
+            return self._refusal(num_tokens, timeout_s, self.clock(), num_seqs)
 
     def count_refusal(self) -> None:
         """Count a request refused on the strength of :meth:`refusal` (thread-safe)."""
         with self._lock:
             self.num_rejected += 1
 
-    def _refusal(self, num_tokens: int, timeout_s: float | None, now: float) -> QueueFullError | None:
-        reason = refusal_reason(self.num_queued, self.num_queued_tokens, num_tokens, self.max_queue_len, self.max_queued_tokens)
+    def _refusal(self, num_tokens: int, timeout_s: float | None, now: float, num_seqs: int = 1) -> QueueFullError | None:
+        reason = refusal_reason(
+            self.num_queued, self.num_queued_tokens, num_tokens, self.max_queue_len, self.max_queued_tokens, num_seqs
+        )
         busy_drain_per_s = self._busy_drain.rate_per_s(now)
         drain_per_s = busy_drain_per_s or self._drained.rate_per_s(now)
         if reason is not None:
@@ -113,7 +117,7 @@ class AdmissionControl:
             if ticket.is_released:
                 return
             ticket.is_released = True
-            self.num_queued -= 1
+            self.num_queued -= ticket.num_seqs
             self.num_queued_tokens -= ticket.num_tokens
             assert self.num_queued >= 0 and self.num_queued_tokens >= 0, "queue counts went negative"
             now = self.clock()

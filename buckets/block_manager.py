@@ -67,7 +67,8 @@ class BlockManager:
     """Which KV blocks each sequence owns, with ref-counted sharing of cached prefixes.
 
     The scheduler is the only caller: ``can_allocate``/``allocate`` when it admits a waiting
-    sequence, ``can_append``/``append`` before each step grows a running one, ``commit`` after
+    sequence, ``can_append``/``append`` before each step grows a running one, ``can_fork``/``fork``
+    when a request's other choices continue from its prefilled prompt, ``commit`` after
     the runner wrote KV, and ``free`` when a sequence finishes, is cancelled or is preempted
     (in ``finally``). The runner reads ``block_table``.
 
@@ -206,6 +207,43 @@ class BlockManager:
         table.extend(self._take_free_block() for _ in range(num_missing))
         self._check_counts()
 
+    def can_fork(self, num_tokens: int) -> bool:
+        """Could a sequence fork off a parent holding ``num_tokens`` computed tokens now? Its full
+        blocks are shared; a partly filled last block needs one fresh block for the copy."""
+        return num_tokens % self.block_size == 0 or self.num_free_blocks >= 1
+
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> tuple[int, int] | None:
+        """Give ``child_id`` the KV of the first ``num_tokens`` positions of ``parent_id``: the
+        parent's full blocks by reference (ref count + 1 each, as vLLM V0's
+        ``BlockSpaceManager.fork``), and a fresh block for a partly filled last block, which the
+        two would otherwise both write. Returns ``(source, destination)`` of that block for the
+        runner to copy before its next forward (``None``: no partial block). Called by the
+        scheduler after :meth:`can_fork` said yes; ``free`` of either sequence later drops only
+        its own references.
+
+        Raises:
+            KeyError: unknown ``parent_id``.
+            ValueError: ``child_id`` already holds a block table, or the parent's table holds
+                fewer than ``num_tokens`` positions.
+            AssertionError: no free block for the copy (the caller skipped :meth:`can_fork`).
+        """
+        table = self._block_tables[parent_id]
+        if child_id in self._block_tables:
+            raise ValueError(f"seq_id {child_id} is already allocated")
+        if self.blocks_needed(num_tokens) > len(table):
+            raise ValueError(f"num_tokens {num_tokens} exceeds seq_id {parent_id}'s {len(table)} blocks")
+        assert self.can_fork(num_tokens), f"seq_id {child_id} cannot fork; ask can_fork first"
+        num_full_blocks = num_tokens // self.block_size
+        child_table = [self._take_cached_block(block_id) for block_id in table[:num_full_blocks]]
+        copy = None
+        if num_tokens % self.block_size:
+            copy = (table[num_full_blocks], self._take_free_block())
+            child_table.append(copy[1])
+        self._block_tables[child_id] = child_table
+        self._num_committed_blocks[child_id] = min(self._num_committed_blocks[parent_id], num_full_blocks)
+        self._check_counts()
+        return copy
+
     def commit(self, seq_id: int, block_hashes: Sequence[int], num_computed_tokens: int) -> None:
         """Register in the prefix cache every block now full of computed tokens.
 
@@ -306,7 +344,8 @@ class BlockManager:
         return num_fresh <= self.num_free_blocks - num_evictable_hits
 
     def _take_cached_block(self, block_id: int) -> int:
-        """Add a reference to a cached block; an evictable one leaves the evictable set."""
+        """Add a reference to a block (a cached prefix hit, or a parent's block a fork shares); an
+        evictable one leaves the evictable set."""
         if self._ref_counts[block_id] == 0:
             assert block_id in self._evictable_block_ids, f"unreferenced cached block {block_id} not evictable"
             del self._evictable_block_ids[block_id]

@@ -99,7 +99,7 @@ class Bucket:
         with self._lock:  # a close() either sees this ticket counted or this submit sees it closed
             if self.closed:
                 raise BucketClosedError(f"bucket {self.name!r} of {self.model_name!r} was replaced")
-            ticket = self.admission.admit(request.num_prompt_tokens, timeout_s)
+            ticket = self.admission.admit(request.num_prompt_tokens, timeout_s, request.num_seqs)
         request.info["bucket"] = self.name
         request.on_dequeue = ticket.release
         try:

@@ -161,8 +161,11 @@ class ContinuousBatcher:
                 self.output.add(seq)
 
     def _count(self, ended: list[Sequence]) -> None:
-        """Count ended sequences by reason: cancelled (or timed out by the gateway), timed out, finished."""
+        """Count ended requests by reason: cancelled (or timed out by the gateway), timed out,
+        finished; a request with several choices counts once, by its choice 0."""
         for seq in ended:
+            if seq.index:
+                continue
             if seq.finish_reason is FinishReason.CANCELLED:
                 self._counters.count_cancelled(seq.request)
             elif seq.finish_reason is FinishReason.TIMEOUT:
@@ -171,6 +174,6 @@ class ContinuousBatcher:
                 self._counters.num_finished += 1
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> None:
-        self.scheduler.fail(seqs)
-        self.output.fail(seqs, error)
+        failed = self.scheduler.fail(seqs)
+        self.output.fail(failed, error)
         self._counters.num_failed += len(seqs)

@@ -49,10 +49,27 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._clock = clock
         self._outputs: dict[int, _SequenceOutput] = {}
+        # Choices still generating, by id() of their request (requests are not hashable), and
+        # the requests already sent an error while some of their choices are open.
+        self._open_choices: dict[int, int] = {}
+        self._errored: set[int] = set()
 
     def add(self, seq: Sequence) -> None:
-        """Follow a sequence the scheduler has just queued."""
-        self._outputs[seq.seq_id] = _SequenceOutput(seq, IncrementalDetokenizer(self._tokenizer, seq.request.stop))
+        """Follow a sequence the scheduler has just queued, and its pending forks (the request's
+        other choices)."""
+        for choice in (seq, *seq.forks):
+            self._outputs[choice.seq_id] = _SequenceOutput(choice, IncrementalDetokenizer(self._tokenizer, choice.request.stop))
+        self._open_choices[id(seq.request)] = 1 + len(seq.forks)
+
+    def _close_choice(self, seq: Sequence) -> int:
+        """Forget one ended choice of ``seq``'s request; returns how many are still open."""
+        key = id(seq.request)
+        num_open = self._open_choices.pop(key) - 1
+        if num_open:
+            self._open_choices[key] = num_open
+        else:
+            self._errored.discard(key)
+        return num_open
 
     def record_plan(self, plan: StepPlan) -> None:
         """Note each scheduled request's place in the step (``Request.batches``); the first time
@@ -87,12 +104,19 @@ class OutputProcessor:
         return ended
 
     def fail(self, seqs: list[Sequence], error: Exception) -> None:
-        """Send each sequence's request an :class:`ErrorEvent` carrying ``error`` and forget it."""
+        """Send each sequence's request an :class:`ErrorEvent` carrying ``error`` (once per
+        request) and forget the sequences."""
         now = self._clock()
         for seq in seqs:
-            self._outputs.pop(seq.seq_id, None)
-            seq.request.timeline["finished"] = now
-            seq.request.emit(ErrorEvent(error))
+            if self._outputs.pop(seq.seq_id, None) is None:
+                continue
+            key = id(seq.request)
+            is_first_error = key not in self._errored
+            self._errored.add(key)
+            self._close_choice(seq)
+            if is_first_error:
+                seq.request.timeline["finished"] = now
+                seq.request.emit(ErrorEvent(error))
 
     def _emit_tokens(self, seq_id: int, token_ids: list[int], reason: FinishReason | None, now: float) -> Sequence | None:
         """Detokenize, check stop strings and emit one token event; the sequence if it ended."""
@@ -105,33 +129,42 @@ class OutputProcessor:
             reason = FinishReason.STOP  # a stop string in the last token's text wins over length
         request = seq.request
         request.timeline.setdefault("first_token", now)
+        num_open = self._open_choices[id(request)] - 1
         if reason is not None:
             request.timeline["finished"] = now
             del self._outputs[seq_id]
-        request.emit(TokenEvent(
+            num_open = self._close_choice(seq)
+        request.emit(self._token_event(seq, text, token_ids, reason, num_open))
+        return None if reason is None else seq
+
+    @staticmethod
+    def _token_event(seq: Sequence, text: str, token_ids: list[int], reason: FinishReason | None, num_open: int) -> TokenEvent:
+        return TokenEvent(
             text=text,
             token_ids=token_ids,
             finish_reason=None if reason is None else reason.value,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_completion_tokens=len(seq.output_token_ids),
-        ))
-        return None if reason is None else seq
+            index=seq.index,
+            num_open_choices=num_open,
+        )
 
     def _end_dropped(self, seq_id: int, reason: FinishReason, now: float) -> Sequence:
-        """Tell the client about a sequence dropped for ``reason`` (``TIMEOUT`` or ``CANCELLED``)."""
+        """Tell the client about a sequence dropped for ``reason`` (``TIMEOUT`` or ``CANCELLED``).
+
+        A request's choices end together (they share its deadline and cancel flag): before
+        their fork none has outputs, and only the last of them sends the deadline error."""
         output = self._outputs.pop(seq_id)
         seq, request = output.seq, output.seq.request
         request.timeline["finished"] = now
+        num_open = self._close_choice(seq)
         if reason is not FinishReason.TIMEOUT:
             request.leave_queue()
         elif seq.output_token_ids:
-            request.emit(TokenEvent(
-                text=output.detokenizer.update(seq.output_token_ids, is_last=True),
-                token_ids=[],
-                finish_reason=reason.value,
-                num_prompt_tokens=len(seq.prompt_token_ids),
-                num_completion_tokens=len(seq.output_token_ids),
-            ))
+            text = output.detokenizer.update(seq.output_token_ids, is_last=True)
+            request.emit(self._token_event(seq, text, [], reason, num_open))
+        elif num_open:
+            request.leave_queue()
         else:
             waited_s = now - seq.arrival_s
             request.emit(ErrorEvent(DeadlineExceededError(

@@ -17,14 +17,27 @@ from models.step_io import SamplingParams
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New generated text. ``finish_reason`` is set on the last event: ``stop``, ``length``, or
-    ``timeout`` (the deadline passed after some tokens; that last event may carry no new token)."""
+    """New generated text of one choice. ``finish_reason`` is set on the choice's last event:
+    ``stop``, ``length``, or ``timeout`` (the deadline passed after some tokens; that last event
+    may carry no new token).
+
+    ``index`` is the choice (``0 .. n - 1`` of its request); ``num_completion_tokens`` counts that
+    choice's tokens so far. ``num_open_choices`` is how many other choices of the request are
+    still generating after this event: the request is over at a finished event with 0 left.
+    """
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     num_prompt_tokens: int
     num_completion_tokens: int
+    index: int = 0
+    num_open_choices: int = 0
+
+    @property
+    def ends_request(self) -> bool:
+        """Whether nothing follows this event for its request (its last open choice finished)."""
+        return self.finish_reason is not None and self.num_open_choices == 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs as (admission counts each): 1, or a generation's ``n``."""
+        return 1
+
+    @property
     def is_cancelled(self) -> bool:
         return self._cancelled.is_set()
 
@@ -120,14 +138,21 @@ class Request:
 class GenerationRequest(Request):
     """A completion or chat request: prompt tokens in, a stream of :class:`TokenEvent` out.
 
-    ``max_tokens`` bounds new tokens; ``stop`` strings end generation (not returned);
-    ``ignore_eos`` keeps generating past end-of-sequence tokens (benchmarks use it).
+    ``max_tokens`` bounds new tokens of each choice; ``stop`` strings end generation (not
+    returned); ``ignore_eos`` keeps generating past end-of-sequence tokens (benchmarks use it).
+    ``n`` choices continue from one prefill of the prompt (:class:`buckets.sequence.Sequence`
+    forks), each with its own sampler state; their events carry the choice's ``index``.
     """
 
     max_tokens: int = 16
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+
+    @property
+    def num_seqs(self) -> int:
+        return self.n
 
 
 @dataclass

@@ -34,9 +34,10 @@ class ModelRunner(Protocol):
     def run(self, forward: ForwardInput) -> ForwardOutput:
         """One packed forward of every sequence in ``forward.sequences`` (their ``token_ids`` at
         their ``position``, KV read from and written to their ``block_table``), then one sampled
-        token for each sequence with ``do_sample``. First drops the sampler state of
-        ``forward.released_seq_ids`` (an input with no sequences only releases). Never changes
-        queues or block tables.
+        token for each sequence with ``do_sample`` and for each of its ``forks`` (from the same
+        logits row, each fork with its own sampler state). First drops the sampler state of
+        ``forward.released_seq_ids`` and copies ``forward.block_copies`` (an input with no
+        sequences only does that). Never changes queues or block tables.
 
         Raises:
             Exception: any failure of the forward; the batcher fails the step's requests with

@@ -18,6 +18,14 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 3. if nothing was preempted, waiting sequences join in order of effective priority with aging
    (:class:`policies.priority.AgingPriorityQueue`) while blocks and budget allow, reusing
    prefix-cached blocks; a prompt longer than the budget left runs as a first chunk.
+
+A request with ``n`` choices is queued as its choice 0 holding the others as pending forks, and
+takes room for all ``n`` in ``max_num_seqs`` when it joins (or the whole room when nothing else
+runs). Its prompt is prefilled once: the runner samples every choice's first token from the
+prompt's last logits row, then each fork shares the parent's full blocks by reference and gets
+a copy of its partly filled last block (:meth:`BlockManager.fork`; the copy runs before the next
+forward). A fork that finds no free block for that copy waits as a preempted sequence and
+recomputes its prompt (prefix-cached blocks included) when it resumes.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.forward.sequences and not self.forward.released_seq_ids
+        return not self.forward.sequences and not self.forward.released_seq_ids and not self.forward.block_copies
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class Scheduler:
         self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id
         self.counters = SchedulerCounters()
         self._released: list[int] = []
+        self._block_copies: list[tuple[int, int]] = []  # for the next plan (forks' partial blocks)
         self._step_ids = itertools.count()
 
     def update_settings(self, settings: ContinuousBatcherSettings) -> None:
@@ -120,7 +129,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (called by the batcher when it takes a request from its inbox),
-        stamping its arrival time for aging.
+        stamping its arrival time for aging; a request with ``n > 1`` choices gets its other
+        choices as pending forks of ``seq`` (:meth:`Sequence.spawn_forks`), live from now on.
 
         Raises:
             KVCapacityError: prompt + ``max_tokens`` needs more blocks than the whole pool holds,
@@ -135,6 +145,8 @@ class Scheduler:
         if self.settings.enable_prefix_caching:
             seq.extend_block_hashes(self.block_manager.block_size)
         seq.arrival_s = seq.request.timeline.get("enqueued", self.clock())
+        for child in seq.spawn_forks():
+            self._live[child.seq_id] = child
         self._enqueue(seq)
 
     def drop_ended(self, now: float) -> StepResult:
@@ -143,7 +155,7 @@ class Scheduler:
         once. The batcher calls it before each :meth:`schedule`; the output stage tells the
         clients (:meth:`buckets.output.OutputProcessor.process`)."""
         finished: dict[int, FinishReason] = {}
-        for seq in itertools.chain(self.waiting, self.running):
+        for seq in self._live.values():
             if seq.request.is_cancelled:
                 finished[seq.seq_id] = FinishReason.CANCELLED
             elif is_expired(seq.request.deadline_s, now):
@@ -161,7 +173,9 @@ class Scheduler:
         if not num_preempted:
             self._schedule_waiting(scheduled, budget)
         seqs = [seq for seq, _ in scheduled.values()]
-        forward = ForwardInput([self._input_of(seq, n) for seq, n in scheduled.values()], self.take_released())
+        inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
+        forward = ForwardInput(inputs, self.take_released(), self._block_copies)
+        self._block_copies = []
         return StepPlan(step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted)
 
     def _schedule_running(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> int:
@@ -190,9 +204,15 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> None:
         """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow."""
+        if not self.waiting:
+            return
         manager = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
+        # Seats taken: running sequences and the pending forks of those still prefilling.
+        num_seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        while self.waiting and budget > 0 and num_seats < self.settings.max_num_seqs:
             seq = self.waiting.peek()
+            if num_seats and num_seats + 1 + len(seq.forks) > self.settings.max_num_seqs:
+                break  # room for every choice of the request, or the whole room
             num_known = seq.num_tokens
             num_cached = manager.num_cached_prefix_tokens(seq.block_hashes, num_known)
             num_tokens = min(num_known - num_cached, budget)
@@ -203,6 +223,7 @@ class Scheduler:
             self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seats += 1 + len(seq.forks)
             scheduled[seq.seq_id] = (seq, num_tokens)
             budget -= num_tokens
 
@@ -249,14 +270,43 @@ class Scheduler:
             if token_id is None:
                 self.counters.num_chunked_prefills += 1
                 continue
-            reason = seq.append_token(token_id)
-            if self.settings.enable_prefix_caching:
-                seq.extend_block_hashes(block_size)
-            new_token_ids[seq.seq_id] = [token_id]
-            if reason is not None:
-                self._finish(seq, reason)
-                finished[seq.seq_id] = reason
+            choices = [(seq, token_id)] + self._fork(seq, output) if seq.forks else [(seq, token_id)]
+            for choice, choice_token_id in choices:
+                reason = choice.append_token(choice_token_id)
+                if self.settings.enable_prefix_caching:
+                    choice.extend_block_hashes(block_size)
+                new_token_ids[choice.seq_id] = [choice_token_id]
+                if reason is not None:
+                    self._finish(choice, reason)
+                    finished[choice.seq_id] = reason
         return StepResult(new_token_ids, finished)
+
+    def _fork(self, parent: Sequence, output: ForwardOutput) -> list[tuple[Sequence, int]]:
+        """Fork ``parent``'s pending choices off its just-prefilled prompt, before any of them
+        appends a token: each shares its blocks (:meth:`BlockManager.fork`) and runs, or, with no
+        block free for its copy of the partial last block, waits to recompute (as a preempted
+        sequence). Returns each fork with the first token the runner sampled for it.
+
+        Raises:
+            KeyError: the runner sampled no token for a fork (it ignored ``SequenceInput.forks``).
+        """
+        forks, parent.forks = parent.forks, []
+        num_tokens = parent.num_computed_tokens
+        sampled: list[tuple[Sequence, int]] = []
+        for child in forks:
+            child.take_parent_state(parent)
+            if self.block_manager.can_fork(num_tokens):
+                copy = self.block_manager.fork(parent.seq_id, child.seq_id, num_tokens)
+                if copy is not None:
+                    self._block_copies.append(copy)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.num_computed_tokens = 0
+                child.status = SequenceStatus.PREEMPTED
+                self._enqueue(child)
+            sampled.append((child, output.sampled_token_ids[child.seq_id]))
+        return sampled
 
     def _filled_a_block(self, before: int, after: int) -> bool:
         """Whether computing positions ``before .. after`` completed a block worth caching (most
@@ -279,30 +329,41 @@ class Scheduler:
         """
         self._finish(self._live[seq_id], reason)
 
-    def fail(self, seqs: list[Sequence]) -> None:
-        """Take failed sequences out of the queues and free their blocks (``ERROR``)."""
+    def fail(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Take failed sequences out of the queues and free their blocks (``ERROR``), with the
+        pending forks of each (they cannot start without it). Returns every sequence failed."""
+        failed = [s for seq in seqs for s in (seq, *seq.forks)]
         for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:  # the runner may have sampled for its forks
+                self._released.extend(child.seq_id for child in seq.forks)
+        for seq in failed:
             self._finish(seq, FinishReason.ERROR)
+        return failed
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.has_sampler_state:
+            self._released.append(seq.seq_id)  # the runner holds its sampler state
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
         elif seq.is_waiting:
             self.waiting.remove(seq)
-        if seq.status is SequenceStatus.RUNNING or seq.num_preemptions:
-            self._released.append(seq.seq_id)  # the runner holds its sampler state
+        elif seq.parent is not None:  # a pending fork
+            seq.parent.forks.remove(seq)
+            seq.parent = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
 
     def _input_of(self, seq: Sequence, num_tokens: int) -> SequenceInput:
         token_ids = seq.next_input_token_ids(num_tokens)
+        do_sample = seq.num_computed_tokens + len(token_ids) >= seq.num_tokens
         return SequenceInput(
             seq_id=seq.seq_id,
             token_ids=token_ids,
             position=seq.num_computed_tokens,
             block_table=self.block_manager.block_table(seq.seq_id),
-            do_sample=seq.num_computed_tokens + len(token_ids) >= seq.num_tokens,
-            params=seq.request.params,
+            do_sample=do_sample,
+            params=seq.params,
+            forks=tuple((child.seq_id, child.params) for child in seq.forks) if do_sample else (),
         )

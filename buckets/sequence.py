@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 
 from buckets.block_manager import hash_block_tokens
 from buckets.request import GenerationRequest
+from models.step_io import SamplingParams
 
 _seq_ids = itertools.count()
+
+# torch.Generator seeds lie in [-2**63, 2**64 - 1]; a child seed past the top wraps around.
+_SEED_MODULUS = 2**64
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded with ``seed``: ``seed + index`` (vLLM's
+    rule in ``ParentRequest._get_child_sampling_params``), wrapped below ``2**64``; choice 0
+    keeps the request's seed, so ``n=1`` samples as before. ``None`` stays ``None``."""
+    if seed is None:
+        return None
+    total = seed + index
+    return total - _SEED_MODULUS if total >= _SEED_MODULUS else total
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    FORK_PENDING = "fork_pending"  # a choice waiting for its parent's prompt to be prefilled
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its blocks freed; recomputes prompt + outputs when resumed
     FINISHED = "finished"
@@ -30,14 +46,25 @@ class FinishReason(enum.Enum):
 
 
 class Sequence:
-    """Prompt and output tokens of one request, how many are computed, and its prefix-cache keys.
+    """Prompt and output tokens of one choice of a request, how many are computed, and its
+    prefix-cache keys.
+
+    Choice 0 of a request with ``n`` choices is its parent: it alone prefills the prompt, and
+    holds the other choices in :attr:`forks` (``FORK_PENDING``) until then; the scheduler forks
+    them off its blocks after the prompt's last chunk. ``params`` are the request's, with the
+    seed of :func:`child_seed` for a seeded request.
 
     Owned by the bucket's worker thread; the scheduler changes it, the output stage reads it.
     """
 
-    def __init__(self, request: GenerationRequest, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, request: GenerationRequest, eos_token_ids: frozenset[int], index: int = 0) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
+        self.index = index
+        params = request.params
+        self.params: SamplingParams = params if index == 0 else dataclasses.replace(params, seed=child_seed(params.seed, index))
+        self.parent: Sequence | None = None
+        self.forks: list[Sequence] = []
         self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -48,6 +75,28 @@ class Sequence:
         # Chained prefix-cache keys of its full blocks of known tokens (see :meth:`extend_block_hashes`).
         self.block_hashes: list[int] = []
         self._eos_token_ids = frozenset() if request.ignore_eos else eos_token_ids
+
+    def spawn_forks(self) -> list[Sequence]:
+        """Create the request's choices ``1 .. n - 1`` as this sequence's pending :attr:`forks`
+        and return them (called once, when the scheduler queues choice 0)."""
+        self.forks = [Sequence(self.request, self._eos_token_ids, index) for index in range(1, self.request.n)]
+        for child in self.forks:
+            child.parent = self
+            child.status = SequenceStatus.FORK_PENDING
+        return list(self.forks)
+
+    def take_parent_state(self, parent: Sequence) -> None:
+        """Continue from ``parent``'s prefilled prompt: its computed count and prompt block keys
+        (the scheduler calls it at the fork, before either appends a token)."""
+        self.num_computed_tokens = parent.num_computed_tokens
+        self.block_hashes = list(parent.block_hashes)
+        self.arrival_s = parent.arrival_s
+        self.parent = None
+
+    @property
+    def has_sampler_state(self) -> bool:
+        """Whether the runner may hold a generator for it (it ran, or sampled a token)."""
+        return self.status is SequenceStatus.RUNNING or self.num_preemptions > 0 or bool(self.output_token_ids)
 
     @property
     def max_total_tokens(self) -> int:

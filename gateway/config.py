@@ -160,6 +160,8 @@ class ModelConfig(_Strict):
     max_tokens_cap: int | None = Field(default=None, ge=1)
     # The most strings in one embeddings request's ``input`` list (OpenAI's limit).
     max_embedding_inputs: int = Field(default=2048, ge=1)
+    # The most choices (``n``) one completion or chat request may ask for.
+    max_n: int = Field(default=8, ge=1)
     # A request's ``timeout`` when its body sets none, and the most it may set (seconds; None: no
     # default deadline / no cap). Without a body timeout the default is clipped to the cap.
     default_timeout_s: float | None = Field(default=None, gt=0)

@@ -27,16 +27,14 @@ MAX_INLINE_PROMPT_TOKENS = 2048
 
 @dataclass(frozen=True)
 class Prompt:
-    """A generation request's prompt before tokenizing: a completion's ``text``, or chat
-    ``messages`` (rendered through the model's chat template)."""
+    """A generation request's prompt before tokenizing: a completion's ``text`` or ``token_ids``
+    (used as they are), or chat ``messages`` (rendered through the model's chat template).
+    ``param`` is the body field its errors name (``prompt``, ``prompt.1`` in a list, ``messages``)."""
 
     text: str | None = None
     messages: Sequence[Message] = ()
-
-    @property
-    def param(self) -> str:
-        """The body field a prompt error names."""
-        return "prompt" if self.text is not None else "messages"
+    token_ids: Sequence[int] | None = None
+    param: str = "prompt"
 
 
 # (prompt token ids, max_tokens) -> the core request to queue.
@@ -96,10 +94,17 @@ class Router:
         await asyncio.gather(*(self.encoder(served) for served in list(self.engine.models.values())))
 
     async def submit(
-        self, served: ServedModel, prompt: Prompt, budget: TokenBudget, deadline_s: float | None, build: RequestFactory
+        self,
+        served: ServedModel,
+        prompt: Prompt,
+        budget: TokenBudget,
+        deadline_s: float | None,
+        build: RequestFactory,
+        num_seqs: int = 1,
     ) -> Request:
         """Tokenize ``prompt``, build its request with ``build(ids, budget(len(ids)))``, and
-        queue it on its bucket. Returns the queued request.
+        queue it on its bucket (admission counts it as ``num_seqs`` sequences: its choices).
+        Returns the queued request.
 
         Raises:
             APIError: 429 ``queue_full`` (``Retry-After``) when the bucket is full, before
@@ -107,23 +112,38 @@ class Router:
                 prompt, a missing chat template, or the limits of :meth:`route`; 503 when the
                 bucket's slice is restarting or every attempt met a replaced bucket.
         """
-        encoder = await self.encoder(served)
-        if prompt.text is not None:
-            pieces = encoder.text_pieces(prompt.text)
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            self._refuse_when_full(served, len(ids), len(ids) + budget(1), deadline_s, num_seqs)
         else:
-            pieces = encoder.chat_pieces(prompt.messages, served.config.name)
-        max_prompt_tokens = encoder.max_num_tokens(pieces)
-        self._refuse_when_full(served, max_prompt_tokens, max_prompt_tokens + budget(1), deadline_s)
-        if max_prompt_tokens <= MAX_INLINE_PROMPT_TOKENS:
-            ids = encoder.encode(pieces)
-        else:
-            ids = await asyncio.to_thread(encoder.encode, pieces)
+            ids = await self.tokenize(served, prompt, lambda n: self._refuse_when_full(served, n, n + budget(1), deadline_s, num_seqs))
         max_tokens = budget(len(ids))
         if not ids:
             raise invalid_request("The prompt tokenizes to no tokens", param=prompt.param)
         request = build(ids, max_tokens)
         self.enqueue(served, request, max_tokens, prompt.param)
         return request
+
+    async def tokenize(self, served: ServedModel, prompt: Prompt, before: Callable[[int], None] | None = None) -> list[int]:
+        """The token ids of a text or chat ``prompt`` (its ``token_ids`` when it has them).
+        ``before(max_prompt_tokens)`` runs first, with a bound on the count (the early 429).
+
+        Raises:
+            APIError: 400 when the model has no chat template for ``messages``.
+        """
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
+        encoder = await self.encoder(served)
+        if prompt.text is not None:
+            pieces = encoder.text_pieces(prompt.text)
+        else:
+            pieces = encoder.chat_pieces(prompt.messages, served.config.name)
+        max_prompt_tokens = encoder.max_num_tokens(pieces)
+        if before is not None:
+            before(max_prompt_tokens)
+        if max_prompt_tokens <= MAX_INLINE_PROMPT_TOKENS:
+            return encoder.encode(pieces)
+        return await asyncio.to_thread(encoder.encode, pieces)
 
     async def tokenize_all(self, served: ServedModel, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each of ``texts`` (embedding inputs), with the usual special tokens."""
@@ -153,10 +173,13 @@ class Router:
         raise model_unavailable(served.config.name, 1)
 
     @staticmethod
-    def _refuse_when_full(served: ServedModel, max_prompt_tokens: int, max_total_tokens: int, deadline_s: float | None) -> None:
+    def _refuse_when_full(
+        served: ServedModel, max_prompt_tokens: int, max_total_tokens: int, deadline_s: float | None, num_seqs: int = 1
+    ) -> None:
         """Raise the 429 every bucket a prompt of at most ``max_prompt_tokens`` (and at most
-        ``max_total_tokens`` with its generation) could go to would give it; nothing when one
-        may take it, or when the prompt might fail a limit of :meth:`route` (that 400 comes first)."""
+        ``max_total_tokens`` with its generation, ``num_seqs`` sequences) could go to would give
+        it; nothing when one may take it, or when the prompt might fail a limit of :meth:`route`
+        (that 400 comes first)."""
         table = served.table
         last = table.pick(max_prompt_tokens)
         if last is None or max_total_tokens > served.config.max_model_len:
@@ -164,7 +187,9 @@ class Router:
         candidates = table.buckets[: table.buckets.index(last) + 1]
         if any(b.kv_capacity_tokens is not None and max_total_tokens > b.kv_capacity_tokens for b in candidates):
             return
-        refusals = [b.admission.refusal(1, None if deadline_s is None else deadline_s - b.admission.clock()) for b in candidates]
+        refusals = [
+            b.admission.refusal(1, None if deadline_s is None else deadline_s - b.admission.clock(), num_seqs) for b in candidates
+        ]
         refusal = refusals[-1]
         if refusal is None or any(r is None for r in refusals) or last.closed:
             return

@@ -44,7 +44,8 @@ class _SamplingBody(_Body):
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    # Choices from one prompt (1 to the model's ``max_n``, checked by the route).
+    n: StrictInt = Field(default=1, ge=1)
     # Lower is more urgent (vLLM's convention); the config bounds it.
     priority: StrictInt = 0
     # Seconds until the request times out (Sluice's extension); the model's config sets a default and a cap.
@@ -52,13 +53,6 @@ class _SamplingBody(_Body):
     ignore_eos: StrictBool = False
     # vLLM's extension: also return prompt and completion token ids in each choice.
     return_token_ids: StrictBool = False
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -73,10 +67,42 @@ class _SamplingBody(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class CompletionBody(_SamplingBody):
-    """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does."""
+# A completion prompt: a string, a list of strings, a list of token ids, or a list of lists of them.
+PromptField = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
 
-    prompt: Text = Field(min_length=1)
+
+class CompletionBody(_SamplingBody):
+    """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does; 0 only with
+    ``echo`` (checked by the route). Each prompt of a list becomes its own ``n`` choices."""
+
+    prompt: PromptField
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    echo: StrictBool = False
+    # Accepted only when it equals ``n`` (or is absent); the route refuses anything else.
+    best_of: StrictInt | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_empty_prompt(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt must not be empty")
+            return prompt
+        if not prompt:
+            raise ValueError("the prompt list must not be empty")
+        for i, item in enumerate(prompt):
+            if isinstance(item, (str, list)) and not item:
+                raise ValueError(f"{i}: a prompt of the list must not be empty")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the body: a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)
 
 
 class ChatMessage(_Body):

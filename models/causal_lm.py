@@ -80,27 +80,33 @@ class CausalLMRunner:
     def run(self, batch: ForwardInput) -> ForwardOutput:
         """Run one step: release ended sequences, forward all scheduled tokens packed, sample.
 
-        Returns the sampled token for every sequence with ``do_sample``.
+        Returns the sampled token for every sequence with ``do_sample`` and for each of its
+        ``forks`` (sampled from the same logits row, each with its own generator). The
+        ``block_copies`` run first, so a fork's block holds its parent's KV before either writes.
         """
         for seq_id in batch.released_seq_ids:
             self._generators.pop(seq_id, None)
+        self.kv_cache.copy_blocks(batch.block_copies)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
         # Single-token segments (decodes) go first: attention runs them in one paged call.
         ordered = sorted(batch.sequences, key=lambda s: len(s.token_ids) != 1)
         hidden = self._forward(ordered)
-        rows, sampling, end = [], [], 0
+        rows: list[int] = []
+        sampling: list[tuple[int, SamplingParams]] = []
+        end = 0
         for seq in ordered:
             end += len(seq.token_ids)
             if seq.do_sample:
-                rows.append(end - 1)
-                sampling.append(seq)
+                for seq_id, params in ((seq.seq_id, seq.params), *seq.forks):
+                    rows.append(end - 1)
+                    sampling.append((seq_id, params))
         if not sampling:
             return ForwardOutput(sampled_token_ids={})
         logits = self.lm_head(hidden[0, torch.tensor(rows, device=self.device)]).float()
-        generators = [self._generator(s) for s in sampling]
-        tokens = sample(logits, [s.params for s in sampling], generators)
-        return ForwardOutput(sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)})
+        generators = [self._generator(seq_id, params) for seq_id, params in sampling]
+        tokens = sample(logits, [params for _, params in sampling], generators)
+        return ForwardOutput(sampled_token_ids={seq_id: t for (seq_id, _), t in zip(sampling, tokens)})
 
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
         """Run the forward once at each step shape so no request pays for compilation; returns
@@ -175,10 +181,10 @@ class CausalLMRunner:
             prefills=prefills,
         )
 
-    def _generator(self, seq: SequenceInput) -> torch.Generator:
-        generator = self._generators.get(seq.seq_id)
+    def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator:
+        generator = self._generators.get(seq_id)
         if generator is None:
-            generator = self._generators[seq.seq_id] = make_generator(seq.params, self.device)
+            generator = self._generators[seq_id] = make_generator(params, self.device)
         return generator
 
 

@@ -98,6 +98,16 @@ class PagedKVCache:
         self._slots[layer, 0].index_copy_(0, slots, key)
         self._slots[layer, 1].index_copy_(0, slots, value)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, every layer's K and V: ``(source, destination)`` block ids, each
+        destination distinct and no source also a destination (a forked sequence's copy of its
+        parent's partly filled last block). One indexed copy for all pairs."""
+        if not copies:
+            return
+        sources = torch.tensor([src for src, _ in copies], device=self.data.device)
+        destinations = torch.tensor([dst for _, dst in copies], device=self.data.device)
+        self.data[:, :, destinations] = self.data[:, :, sources]
+
     def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence's first ``num_tokens`` positions, each ``[1, num_kv_heads, num_tokens, head_dim]``
         (a copy), given its block table ``block_ids`` ``[num_blocks_of_seq]`` (int64)."""

@@ -41,6 +41,9 @@ class SequenceInput:
         block_table: the sequence's KV block ids, enough to hold ``position + len(token_ids)`` tokens.
         do_sample: whether to sample a next token after this step (false for a non-final prefill chunk).
         params: sampling parameters.
+        forks: ``(seq_id, params)`` of the sequences that fork off this one after its prompt's
+            last chunk: each samples its own first token from this sequence's last logits row,
+            with its own sampler state (only with ``do_sample``).
     """
 
     seq_id: int
@@ -49,6 +52,7 @@ class SequenceInput:
     block_table: list[int]
     do_sample: bool
     params: SamplingParams
+    forks: tuple[tuple[int, SamplingParams], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,14 @@ class ForwardInput:
 
     ``sequences`` run packed in one forward. ``released_seq_ids`` are sequences that ended since
     the last step: the runner drops their sampler state before running (their KV blocks are
-    already back in the block manager's pool; the runner never owns blocks).
+    already back in the block manager's pool; the runner never owns blocks). ``block_copies``
+    are ``(source, destination)`` KV block ids to copy before the forward (a forked sequence's
+    copy of its parent's last, partly filled block, as vLLM V0's ``blocks_to_copy``).
     """
 
     sequences: list[SequenceInput]
     released_seq_ids: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +77,7 @@ class ForwardInput:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """The runner's result: one sampled token id for each sequence with ``do_sample``."""
+    """The runner's result: one sampled token id for each sequence with ``do_sample``, and for
+    each of its ``forks``."""
 
     sampled_token_ids: dict[int, int]

@@ -18,20 +18,22 @@ def refusal_reason(
     num_tokens: int,
     max_queue_len: int,
     max_queued_tokens: int | None,
+    num_seqs: int = 1,
 ) -> str | None:
     """Why a request of ``num_tokens`` prompt tokens may not join a queue; ``None``: it may.
 
     Args:
-        num_queued: requests queued now.
-        num_queued_tokens: their prompt tokens.
+        num_queued: sequences queued now (a request with ``n`` choices counts ``n``).
+        num_queued_tokens: their prompt tokens (a prompt counts once, however many choices).
         num_tokens: the newcomer's prompt tokens.
-        max_queue_len: the most queued requests.
+        max_queue_len: the most queued sequences. A request with more choices than the whole
+            limit is still let into an empty queue, or it could never run.
         max_queued_tokens: the most queued prompt tokens; ``None``: no limit. A request larger
             than the whole limit is still let into an empty queue, or it could never run.
     Returns:
         A reason naming the limit and its value, or ``None``.
     """
-    if num_queued + 1 > max_queue_len:
+    if num_queued + num_seqs > max_queue_len and (num_queued or max_queue_len < 1):
         return f"max_queue_len {max_queue_len} reached ({num_queued} requests queued)"
     if max_queued_tokens is not None and num_queued and num_queued_tokens + num_tokens > max_queued_tokens:
         return (

@@ -59,6 +59,7 @@ def encode_request(request_no: int, request: Request) -> dict[str, Any]:
             params=dataclasses.asdict(request.params),
             stop=list(request.stop),
             ignore_eos=request.ignore_eos,
+            n=request.n,
         )
     else:
         wire["kind"] = "embed"
@@ -83,13 +84,17 @@ def decode_request(wire: dict[str, Any], sink: Sink) -> Request:
             params=SamplingParams(**wire["params"]),
             stop=tuple(wire["stop"]),
             ignore_eos=wire["ignore_eos"],
+            n=wire["n"],
         )
     return EmbeddingRequest(**common)
 
 
 def encode_event(event: RequestEvent) -> Message:
     if isinstance(event, TokenEvent):
-        return ("token", event.text, list(event.token_ids), event.finish_reason, event.num_prompt_tokens, event.num_completion_tokens)
+        return (
+            "token", event.text, list(event.token_ids), event.finish_reason, event.num_prompt_tokens,
+            event.num_completion_tokens, event.index, event.num_open_choices,
+        )
     if isinstance(event, EmbeddingEvent):
         return ("embedding", list(event.embedding), event.num_prompt_tokens)
     return ("error", type(event.error).__name__, str(event.error))
@@ -98,7 +103,10 @@ def encode_event(event: RequestEvent) -> Message:
 def decode_event(wire: Message) -> RequestEvent:
     kind = wire[0]
     if kind == "token":
-        return TokenEvent(text=wire[1], token_ids=list(wire[2]), finish_reason=wire[3], num_prompt_tokens=wire[4], num_completion_tokens=wire[5])
+        return TokenEvent(
+            text=wire[1], token_ids=list(wire[2]), finish_reason=wire[3], num_prompt_tokens=wire[4],
+            num_completion_tokens=wire[5], index=wire[6], num_open_choices=wire[7],
+        )
     if kind == "embedding":
         return EmbeddingEvent(embedding=list(wire[1]), num_prompt_tokens=wire[2])
     return ErrorEvent(decode_error(wire[1], wire[2]))
@@ -115,8 +123,8 @@ def decode_error(name: str, message: str) -> Exception:
 
 
 def is_final(event: RequestEvent) -> bool:
-    """Whether nothing follows ``event`` for its request."""
-    return not isinstance(event, TokenEvent) or event.finish_reason is not None
+    """Whether nothing follows ``event`` for its request (every choice of it finished)."""
+    return not isinstance(event, TokenEvent) or event.ends_request
 
 
 def encode_stats(stats: BucketStats) -> dict[str, Any]:

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from buckets.request import ErrorEvent, GenerationRequest, Request as CoreRequest, RequestEvent, TokenEvent
+from buckets.request import ErrorEvent, Request as CoreRequest, RequestEvent, TokenEvent
 from gateway.access_log import note_outcome
 from gateway.engine import ServedModel
 from gateway.errors import APIError, deadline_exceeded, to_api_error
 from gateway.outcome import outcome_of
 from gateway.response_format import ResponseFormat
+from gateway.routes.choices import Choice, PromptSource, make_choices, merged_events, record
 from gateway.streams import ChannelItem, EventChannel, Interrupt, InterruptReason, RequestWatch
 
 
@@ -28,8 +30,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _envelope(served: ServedModel, request: GenerationRequest, fmt: ResponseFormat, is_chunk: bool) -> dict[str, Any]:
-    return {"id": request.request_id, "object": fmt.object_name(is_chunk), "created": int(time.time()), "model": served.config.name}
+def _envelope(served: ServedModel, response_id: str, fmt: ResponseFormat, is_chunk: bool) -> dict[str, Any]:
+    return {"id": response_id, "object": fmt.object_name(is_chunk), "created": int(time.time()), "model": served.config.name}
 
 
 def finish(served: ServedModel, request: CoreRequest, completion_tokens: int, last: ChannelItem | None, watch: RequestWatch) -> None:
@@ -77,53 +79,129 @@ def _failure(
     return to_api_error(item.error, waited_s=waited_s)
 
 
+async def first_events(served: ServedModel, sources: list[PromptSource], watch: RequestWatch) -> list[ChannelItem]:
+    """The first event of each prompt's request (:func:`first_event`): every prompt has started,
+    or the call fails with the first failure's error, its other requests cancelled and logged."""
+    firsts: list[ChannelItem] = []
+    for k, source in enumerate(sources):
+        try:
+            firsts.append(await first_event(served, source.request, source.channel, watch))
+        except BaseException:
+            for other in sources[:k] + sources[k + 1 :]:
+                other.request.cancel()
+                finish(served, other.request, other.num_completion_tokens, other.last, watch)
+            raise
+        record(source, firsts[-1])
+    return firsts
+
+
+def _finish_all(served: ServedModel, sources: list[PromptSource], watch: RequestWatch) -> None:
+    """Close the watch, cancel what still runs (a no-op once finished) and log each request."""
+    watch.close()
+    for source in sources:
+        source.request.cancel()
+        finish(served, source.request, source.num_completion_tokens, source.last, watch)
+
+
+def _usage_of(sources: list[PromptSource]) -> dict[str, int]:
+    """Usage over the whole call: each prompt's tokens once, every choice's completion tokens."""
+    return _usage(sum(s.request.num_prompt_tokens for s in sources), sum(s.num_completion_tokens for s in sources))
+
+
+def _choice_body(fmt: ResponseFormat, choice: Choice, echo: bool, return_token_ids: bool) -> dict[str, Any]:
+    """One choice of a whole response; with ``echo`` the prompt's text comes first (the prompt's
+    token ids are ``choice.source.request.prompt_token_ids``)."""
+    text = choice.source.prompt_text + choice.text if echo else choice.text
+    body = fmt.choice(text, choice.finish_reason)
+    body["index"] = choice.index
+    if return_token_ids:
+        body.update(prompt_token_ids=choice.source.request.prompt_token_ids, token_ids=choice.token_ids)
+    return body
+
+
 async def collect_response(
     served: ServedModel,
-    request: GenerationRequest,
-    channel: EventChannel,
+    response_id: str,
+    sources: list[PromptSource],
+    firsts: list[ChannelItem],
+    n: int,
     fmt: ResponseFormat,
-    first: TokenEvent,
     watch: RequestWatch,
+    echo: bool = False,
     return_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """Gather the whole generation, from its ``first`` event on; return the completion object.
+    """Gather every choice of every prompt, from their ``firsts`` events on; return the
+    completion object, ``choices`` sorted by ``index``.
 
-    A deadline that passes mid-generation ends it with ``finish_reason="timeout"`` and what was
-    generated so far (the core's last event carries the text held back for stop strings).
+    A deadline that passes mid-generation ends each unfinished choice with
+    ``finish_reason="timeout"`` and what it generated so far.
 
     Raises:
-        APIError: 500 when the core failed the request; 499 when the client hung up.
+        APIError: 500 when the core failed a request; 499 when the client hung up.
     """
-    pieces: list[str] = []
-    token_ids: list[int] = []
-    num_completion_tokens = 0
-    finish_reason: str | None = None
-    item: ChannelItem = first
+    choices = make_choices(sources, n)
+    failed: PromptSource | None = None
     try:
-        while True:
+        async for source, item in merged_events(sources, firsts):
+            record(source, item)
             if isinstance(item, Interrupt) and item.reason is InterruptReason.TIMEOUT:
-                finish_reason = "timeout"
+                for choice in choices.values():
+                    choice.finish_reason = choice.finish_reason or "timeout"
                 break
             if isinstance(item, (Interrupt, ErrorEvent)):
-                raise _failure(served, request, item, watch, num_completion_tokens)
+                failed = source
+                source.request.cancel()
+                raise _failure(served, source.request, item, watch, source.num_completion_tokens)  # logs it
             assert isinstance(item, TokenEvent)
-            pieces.append(item.text)
-            token_ids.extend(item.token_ids)
-            num_completion_tokens = item.num_completion_tokens
-            if item.finish_reason is not None:
-                finish_reason = item.finish_reason
-                break
-            item = await channel.next()
+            choice = choices[source.first_index + item.index]
+            choice.pieces.append(item.text)
+            choice.token_ids.extend(item.token_ids)
+            choice.finish_reason = item.finish_reason or choice.finish_reason
     finally:
-        watch.close()
-        request.cancel()  # no-op once finished; frees the sequence if the client went away
-    finish(served, request, num_completion_tokens, item, watch)
-    choice = fmt.choice("".join(pieces), finish_reason)
-    if return_token_ids:
-        choice.update(prompt_token_ids=request.prompt_token_ids, token_ids=token_ids)
-    body = _envelope(served, request, fmt, is_chunk=False)
-    body.update(choices=[choice], usage=_usage(request.num_prompt_tokens, num_completion_tokens))
+        _finish_all(served, [s for s in sources if s is not failed], watch)
+    body = _envelope(served, response_id, fmt, is_chunk=False)
+    body.update(
+        choices=[_choice_body(fmt, choices[i], echo, return_token_ids) for i in sorted(choices)],
+        usage=_usage_of(sources),
+    )
     return body
+
+
+@dataclass(frozen=True)
+class EchoOnlyResponse:
+    """``max_tokens: 0`` with ``echo``: each prompt's ``n`` choices are its text alone, with
+    ``finish_reason`` ``length``; usage counts the prompts' tokens and no completion token."""
+
+    served: ServedModel
+    response_id: str
+    prompt_texts: list[str]
+    num_prompt_tokens: int
+    n: int
+    fmt: ResponseFormat
+
+    def _choices(self) -> list[dict[str, Any]]:
+        choices = []
+        for p, text in enumerate(self.prompt_texts):
+            for j in range(self.n):
+                choice = self.fmt.choice(text, "length")
+                choice["index"] = p * self.n + j
+                choices.append(choice)
+        return choices
+
+    def body(self) -> dict[str, Any]:
+        body = _envelope(self.served, self.response_id, self.fmt, is_chunk=False)
+        body.update(choices=self._choices(), usage=_usage(self.num_prompt_tokens, 0))
+        return body
+
+    async def chunks(self, include_usage: bool) -> AsyncIterator[str]:
+        """The same as SSE: a chunk per choice, optionally usage, then ``data: [DONE]``."""
+        for choice in self._choices():
+            yield _chunk(self.served, self.response_id, self.fmt, choice["index"], choice["text"], "length")
+        if include_usage:
+            usage = _envelope(self.served, self.response_id, self.fmt, is_chunk=True)
+            usage.update(choices=[], usage=_usage(self.num_prompt_tokens, 0))
+            yield _sse(usage)
+        yield _sse("[DONE]")
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -132,56 +210,66 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 def _chunk(
-    served: ServedModel, request: GenerationRequest, fmt: ResponseFormat, text: str | None, finish_reason: str | None,
+    served: ServedModel, response_id: str, fmt: ResponseFormat, index: int, text: str | None, finish_reason: str | None,
     has_role: bool = False,
 ) -> str:
-    body = _envelope(served, request, fmt, is_chunk=True)
-    body["choices"] = [fmt.chunk_choice(text, finish_reason, has_role)]
+    body = _envelope(served, response_id, fmt, is_chunk=True)
+    choice = fmt.chunk_choice(text, finish_reason, has_role)
+    choice["index"] = index
+    body["choices"] = [choice]
     return _sse(body)
 
 
 async def stream_response(
     served: ServedModel,
-    request: GenerationRequest,
-    channel: EventChannel,
+    response_id: str,
+    sources: list[PromptSource],
+    firsts: list[ChannelItem],
+    n: int,
     fmt: ResponseFormat,
     include_usage: bool,
-    first: TokenEvent,
     watch: RequestWatch,
+    echo: bool = False,
 ) -> AsyncIterator[str]:
-    """SSE events from the ``first`` event on: a chunk per text delta, the last one with
-    ``finish_reason`` (``timeout`` when the deadline passed mid-generation), optionally a usage
-    chunk, then ``data: [DONE]``. A client that disconnects cancels the request."""
-    completion_tokens = 0
-    item: ChannelItem = first
+    """SSE events from the ``firsts`` events on: a chat stream opens each choice with its role
+    (an ``echo`` completion stream with its prompt's text), in ``index`` order; then a chunk per
+    text delta of any choice, as they come, each choice's last one with its ``finish_reason``
+    (``timeout`` for every unfinished choice when the deadline passed mid-generation);
+    optionally one usage chunk over every choice; then ``data: [DONE]``. A client that
+    disconnects cancels every request of the call."""
+    choices = make_choices(sources, n)
+    null_text = None if fmt is ResponseFormat.CHAT else ""
+    include_usage_now = include_usage
     try:
-        if fmt is ResponseFormat.CHAT:
-            yield _chunk(served, request, fmt, "", None, has_role=True)
-        while True:
+        for index, choice in sorted(choices.items()):
+            if fmt is ResponseFormat.CHAT:
+                yield _chunk(served, response_id, fmt, index, "", None, has_role=True)
+            elif echo:
+                yield _chunk(served, response_id, fmt, index, choice.source.prompt_text, None)
+        async for source, item in merged_events(sources, firsts):
+            record(source, item)
             if isinstance(item, Interrupt) and item.reason is InterruptReason.DISCONNECTED:
+                include_usage_now = False
                 break  # the client hung up before the stream began
-            finish_reason: str | None
             if isinstance(item, Interrupt):
-                finish_reason = "timeout"
-                yield _chunk(served, request, fmt, None if fmt is ResponseFormat.CHAT else "", finish_reason)
-            elif isinstance(item, ErrorEvent):
+                for index, choice in sorted(choices.items()):
+                    if choice.finish_reason is None:
+                        choice.finish_reason = "timeout"
+                        yield _chunk(served, response_id, fmt, index, null_text, "timeout")
+                break
+            if isinstance(item, ErrorEvent):
                 yield _sse(to_api_error(item.error).body())
+                include_usage_now = False
                 break
-            else:
-                assert isinstance(item, TokenEvent)
-                completion_tokens = item.num_completion_tokens
-                finish_reason = item.finish_reason
-                if item.text or finish_reason:
-                    yield _chunk(served, request, fmt, item.text, finish_reason)
-            if finish_reason is not None:
-                if include_usage:
-                    usage = _envelope(served, request, fmt, is_chunk=True)
-                    usage.update(choices=[], usage=_usage(request.num_prompt_tokens, completion_tokens))
-                    yield _sse(usage)
-                break
-            item = await channel.next()
+            assert isinstance(item, TokenEvent)
+            choice = choices[source.first_index + item.index]
+            choice.finish_reason = item.finish_reason
+            if item.text or item.finish_reason:
+                yield _chunk(served, response_id, fmt, choice.index, item.text, item.finish_reason)
+        if include_usage_now:
+            usage = _envelope(served, response_id, fmt, is_chunk=True)
+            usage.update(choices=[], usage=_usage_of(sources))
+            yield _sse(usage)
         yield _sse("[DONE]")
     finally:
-        watch.close()
-        request.cancel()
-        finish(served, request, completion_tokens, item, watch)
+        _finish_all(served, sources, watch)

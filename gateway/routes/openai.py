@@ -8,19 +8,21 @@ import json
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from litestar import Controller, Request, get, post
 from litestar.response import Response, Stream
 from pydantic import BaseModel, ValidationError
 
-from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest, TokenEvent
+from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest
 from gateway.access_log import note
 from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, validation_error
 from gateway.response_format import ResponseFormat
 from gateway.router import Prompt, Router, TokenBudget
-from gateway.routes.generation import collect_response, finish, first_event, stream_response
+from gateway.routes.choices import PromptSource, check_choices, completion_prompts
+from gateway.routes.generation import EchoOnlyResponse, collect_response, finish, first_event, first_events, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
 from models.step_io import SamplingParams
@@ -126,11 +128,17 @@ class OpenAIController(Controller):
         router = _router(request)
         served = router.model(body.model, "generate")
         check_priority(router, body.priority)
+        check_choices(served, body.n, body.best_of)
         deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         max_tokens = resolve_max_tokens(served, body.max_tokens, 16, "max_tokens")
+        if max_tokens == 0 and not body.echo:
+            raise invalid_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
+        prompts = completion_prompts(served, body)
+        fmt = ResponseFormat.COMPLETION
+        if max_tokens == 0:
+            return await _echo_only(router, served, body, prompts, fmt)
         budget: TokenBudget = lambda _: max_tokens  # noqa: E731
-        prompt = Prompt(text=body.prompt)
-        return await _generate(request, router, served, body, prompt, budget, ResponseFormat.COMPLETION, arrival_s, deadline_s)
+        return await _generate(request, router, served, body, prompts, budget, fmt, arrival_s, deadline_s)
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
@@ -139,14 +147,15 @@ class OpenAIController(Controller):
         router = _router(request)
         served = router.model(body.model, "generate")
         check_priority(router, body.priority)
+        check_choices(served, body.n, None)
         deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         param, requested = _chat_max_tokens(body)
 
         def budget(num_prompt_tokens: int) -> int:
             return resolve_max_tokens(served, requested, router.default_max_tokens(served, num_prompt_tokens), param)
 
-        prompt = Prompt(messages=body.messages)
-        return await _generate(request, router, served, body, prompt, budget, ResponseFormat.CHAT, arrival_s, deadline_s)
+        prompts = [(Prompt(messages=body.messages, param="messages"), "")]
+        return await _generate(request, router, served, body, prompts, budget, ResponseFormat.CHAT, arrival_s, deadline_s)
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -233,23 +242,63 @@ async def _generate(
     router: Router,
     served: ServedModel,
     body: CompletionBody | ChatCompletionBody,
-    prompt: Prompt,
+    prompts: list[tuple[Prompt, str]],
     budget: TokenBudget,
     fmt: ResponseFormat,
     arrival_s: float,
     deadline_s: float | None,
 ) -> Response[Any] | Stream:
-    """Submit a generation request and answer it once its first token is out (or it failed).
+    """Submit one generation request per prompt (``(prompt, its text for echo)``), each with
+    ``n`` choices, and answer once each has its first token (or one failed).
 
-    Waiting for the first token before the response starts lets a queued request that times
-    out, or fails, get its status code (504, 500) even when it streams.
+    Waiting for the first tokens before the response starts lets a queued request that times
+    out, or fails, get its status code (504, 500) even when it streams. All prompts are queued
+    or none: a refusal cancels those queued before it.
     """
     params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed)
-    channel = EventChannel()
+    response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    sources: list[PromptSource] = []
+    try:
+        for p, (prompt, text) in enumerate(prompts):
+            request_id = response_id if len(prompts) == 1 else f"{response_id}-{p}"
+            channel = EventChannel()
+            build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s)
+            request = await router.submit(served, prompt, budget, deadline_s, build, body.n)
+            assert isinstance(request, GenerationRequest)
+            sources.append(PromptSource(request, channel, text, p * body.n))
+    except BaseException:
+        for queued in sources:
+            queued.request.cancel()  # the batcher drops them unrun
+        raise
+    watch = RequestWatch([s.request for s in sources], [s.channel for s in sources], deadline_s, http_request.receive)
+    firsts = await first_events(served, sources, watch)
+    headers = timing_headers(sources[0].request)
+    echo = isinstance(body, CompletionBody) and body.echo
+    if body.stream:
+        watch.stop_disconnect_watch()  # the streaming response listens for the hang-up itself
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Stream(
+            stream_response(served, response_id, sources, firsts, body.n, fmt, include_usage, watch, echo),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **headers},
+        )
+    body_out = await collect_response(served, response_id, sources, firsts, body.n, fmt, watch, echo, body.return_token_ids)
+    return Response(body_out, headers=headers)
+
+
+def _request_factory(
+    body: CompletionBody | ChatCompletionBody,
+    params: SamplingParams,
+    request_id: str,
+    channel: EventChannel,
+    arrival_s: float,
+    deadline_s: float | None,
+) -> Callable[[list[int], int], GenerationRequest]:
+    """How the router builds one prompt's core request from its token ids and budget."""
 
     def build(prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
         request = GenerationRequest(
-            request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}",
+            request_id=request_id,
             prompt_token_ids=prompt_ids,
             sink=channel.sink,
             priority=body.priority,
@@ -258,26 +307,36 @@ async def _generate(
             params=params,
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
+            n=body.n,
         )
         request.timeline["arrival"] = arrival_s
         return request
 
-    request = await router.submit(served, prompt, budget, deadline_s, build)
-    assert isinstance(request, GenerationRequest)
-    watch = RequestWatch([request], [channel], deadline_s, http_request.receive)
-    first = await first_event(served, request, channel, watch)
-    assert isinstance(first, TokenEvent)
-    headers = timing_headers(request)
+    return build
+
+
+async def _echo_only(
+    router: Router, served: ServedModel, body: CompletionBody, prompts: list[tuple[Prompt, str]], fmt: ResponseFormat
+) -> Response[Any] | Stream:
+    """``max_tokens: 0`` with ``echo``: every choice is its prompt's text, nothing generated.
+
+    Raises:
+        APIError: 400 for a prompt that tokenizes to nothing or fails a limit of :meth:`Router.route`.
+    """
+    num_prompt_tokens = 0
+    for prompt, _ in prompts:
+        ids = await router.tokenize(served, prompt)
+        if not ids:
+            raise invalid_request("The prompt tokenizes to no tokens", param=prompt.param)
+        router.route(served, len(ids), 0, prompt.param)
+        num_prompt_tokens += len(ids)
+    response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    texts = [text for _, text in prompts]
+    out = EchoOnlyResponse(served, response_id, texts, num_prompt_tokens, body.n, fmt)
     if body.stream:
-        watch.stop_disconnect_watch()  # the streaming response listens for the hang-up itself
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Stream(
-            stream_response(served, request, channel, fmt, include_usage, first, watch),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **headers},
-        )
-    body_out = await collect_response(served, request, channel, fmt, first, watch, body.return_token_ids)
-    return Response(body_out, headers=headers)
+        return Stream(out.chunks(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(out.body())
 
 
 def timing_headers(request: CoreRequest) -> dict[str, str]:

@@ -289,6 +289,35 @@ def test_the_manager_never_hashes_tokens_itself(monkeypatch: pytest.MonkeyPatch)
     assert bm.allocate(2, keys, len(prompt), 5) == 4
 
 
+def test_fork_shares_full_blocks_copies_the_partial_one_and_frees_exactly() -> None:
+    bm = make_block_manager(num_blocks=8, block_size=4)
+    run_prompt(bm, 0, list(range(10)))  # blocks: 2 full + 1 partial
+    parent = bm.block_table(0)
+    copies = [bm.fork(0, child, 10) for child in (1, 2)]
+    assert [c[0] for c in copies if c] == [parent[2], parent[2]]
+    assert bm.num_used_blocks == 5
+    for child in (1, 2):
+        assert bm.block_table(child)[:2] == parent[:2] and bm.block_table(child)[2] not in parent
+    bm.check_invariants()
+    for seq_id in (0, 2, 1):  # the parent first: the shared blocks stay with the children
+        bm.free(seq_id)
+        bm.check_invariants()
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8
+    assert run_prompt(bm, 3, list(range(10))) == 8  # the shared full blocks stayed cached
+
+
+def test_fork_needs_a_free_block_only_for_a_partial_last_block() -> None:
+    bm = make_block_manager(num_blocks=2, block_size=4)
+    run_prompt(bm, 0, list(range(8)))
+    assert bm.can_fork(8) and bm.fork(0, 1, 8) is None
+    assert not bm.can_fork(7)
+    with pytest.raises(AssertionError):
+        bm.fork(0, 2, 7)
+    with pytest.raises(ValueError):
+        bm.fork(0, 1, 8)  # already allocated
+    bm.check_invariants()
+
+
 def test_stats_is_a_frozen_snapshot() -> None:
     bm = make_block_manager(num_blocks=4)
     stats = bm.stats()
@@ -377,6 +406,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.finish_or_cancel_one(seq_id)
         assert not self.bm.has_seq(seq_id)
+
+    @precondition(lambda self: any(self.num_computed.values()))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent_id = data.draw(st.sampled_from(sorted(s for s, n in self.num_computed.items() if n)))
+        num_tokens = self.num_computed[parent_id]
+        child_id, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
+        if not self.bm.can_fork(num_tokens):
+            with pytest.raises(AssertionError):
+                self.bm.fork(parent_id, child_id, num_tokens)
+            assert not self.bm.has_seq(child_id)
+            return
+        copy = self.bm.fork(parent_id, child_id, num_tokens)
+        parent_table, child_table = self.bm.block_table(parent_id), self.bm.block_table(child_id)
+        num_full = num_tokens // self.bm.block_size
+        assert child_table[:num_full] == parent_table[:num_full]
+        assert len(child_table) == self.bm.blocks_needed(num_tokens)
+        assert (copy is None) == (num_tokens % self.bm.block_size == 0)
+        if copy is not None:
+            assert copy == (parent_table[num_full], child_table[-1]) and child_table[-1] not in parent_table
+            self.block_prefix.pop(child_table[-1], None)
+        self.tokens[child_id] = self.tokens[parent_id][:num_tokens]
+        self.num_computed[child_id] = num_tokens
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data())

@@ -39,7 +39,7 @@ def test_minimal_bodies_are_valid_with_defaults() -> None:
     [
         {"temperature": 0}, {"temperature": 2}, {"temperature": 0.7}, {"top_p": 1}, {"top_p": 0.01},
         {"top_k": 0}, {"top_k": 50}, {"max_tokens": 1}, {"seed": 0}, {"seed": -5},
-        {"stop": "END"}, {"stop": ["a", "b", "c", "d"]}, {"n": 1}, {"stream": True},
+        {"stop": "END"}, {"stop": ["a", "b", "c", "d"]}, {"n": 1}, {"n": 3}, {"stream": True},
         {"stream_options": {"include_usage": True}}, {"unknown_extra": 1},
     ],
 )
@@ -54,8 +54,8 @@ def test_valid_sampling_fields_are_accepted(overrides: dict[str, Any]) -> None:
         ("temperature", 2.01), ("temperature", 3), ("temperature", -0.1),
         ("top_p", 0), ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1),
         ("top_k", -1),
-        ("max_tokens", 0), ("max_tokens", -3),
-        ("n", 2), ("n", 0),
+        ("max_tokens", -3),
+        ("n", 0), ("n", -1), ("n", 1.0), ("n", "2"),
         ("stop", ["a"] * (MAX_STOP_STRINGS + 1)),
         ("temperature", "hot"), ("temperature", "0.5"), ("temperature", True), ("temperature", None),
         ("top_p", "1"), ("top_k", 1.5), ("top_k", "3"), ("max_tokens", 2.0), ("max_tokens", "16"),
@@ -68,9 +68,34 @@ def test_bad_sampling_fields_are_rejected(field: str, value: Any) -> None:
     assert rejected_field(ChatCompletionBody, chat(**{field: value})) == {field}
 
 
-@pytest.mark.parametrize("prompt", ["", None, 5, ["Hello"]])
+@pytest.mark.parametrize("prompt", ["", None, 5, [], True, {"text": "Hi"}])
 def test_bad_prompt_is_rejected(prompt: Any) -> None:
     assert rejected_field(CompletionBody, completion(prompt=prompt)) == {"prompt"}
+
+
+def test_max_tokens_zero_passes_the_completion_schema_but_not_chat() -> None:
+    CompletionBody.model_validate(completion(max_tokens=0, echo=True))  # the route refuses 0 without echo
+    assert rejected_field(ChatCompletionBody, chat(max_tokens=0)) == {"max_tokens"}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("Hi", ["Hi"]), (["Hi", "there"], ["Hi", "there"]), ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_every_prompt_form_is_accepted(prompt: Any, expected: list[Any]) -> None:
+    assert CompletionBody.model_validate(completion(prompt=prompt)).prompts() == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [(["Hi", ""], "prompt.1"), ([[1], []], "prompt.1"), (["Hi", 3], "prompt.1"), ([[1, "x"]], "prompt.0.1"), ([1, [2]], "prompt.0")],
+)
+def test_a_bad_item_of_a_prompt_list_is_named_by_its_position(prompt: Any, param: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        CompletionBody.model_validate(completion(prompt=prompt))
+    assert validation_error(err.value).param == param
 
 
 def test_missing_prompt_or_model_is_rejected() -> None:
