@@ -24,6 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardController
 from gateway.engine import Engine
 from gateway.errors import APIError, ConfigError, is_domain_error, to_api_error
+from gateway.http_edge import BodyDecoding, RequestIds
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
@@ -124,6 +125,8 @@ def create_app(config: GatewayConfig) -> Litestar:
         # third-party INFO lines) that gateway.logging.configure_logging installed.
         logging_config=None,
     )
-    # Around the whole handler, not as a route middleware: unknown paths (404) are logged too.
-    app.asgi_handler = AccessLog(app.asgi_handler, metrics.observe_http)
+    # Around the whole handler, not as route middlewares: unknown paths (404) are logged, and
+    # carry a request id, too.
+    decoding = BodyDecoding(app.asgi_handler, int(config.max_request_body_bytes))
+    app.asgi_handler = AccessLog(RequestIds(decoding), metrics.observe_http)
     return app

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+    model_validator,
 )
+
+from gateway.fields import FieldStatus, check_refused, field_statuses
 
 MAX_STOP_STRINGS = 4
 MAX_TIMEOUT_S = 7 * 24 * 3600
@@ -29,12 +32,59 @@ class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras).
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``null`` for an optional field means its default, as OpenAI reads it."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, info in cls.model_fields.items() if not info.is_required()}
+        return {k: v for k, v in data.items() if not (v is None and k in optional)}
+
+
+class EndpointBody(_Body):
+    """The body of one endpoint, and the status of each field OpenAI documents for it.
+
+    ``openai_fields``: the endpoint's fields in OpenAI's API reference (openai-python's
+    ``*_create_params.py``). ``refused_fields``: fields a body may not set (400
+    ``unsupported_parameter``, see :mod:`gateway.fields`); ``ignored_fields``: fields read and
+    dropped because they cannot change the result. Every other OpenAI field is a field of the model.
+    """
+
+    openai_fields: ClassVar[tuple[str, ...]] = ()
+    refused_fields: ClassVar[frozenset[str]] = frozenset()
+    ignored_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def check_refused(cls, data: dict[str, Any]) -> None:
+        """Raises APIError 400 ``unsupported_parameter`` for a refused field ``data`` sets."""
+        check_refused(data, cls.refused_fields)
+
+    @classmethod
+    def field_statuses(cls) -> dict[str, FieldStatus]:
+        """Each field of the endpoint (OpenAI's, then the extensions) with its status."""
+        return field_statuses(cls.openai_fields, list(cls.model_fields), cls.refused_fields, cls.ignored_fields)
+
+
+# Fields refused on both generation endpoints. The engineers implementing one move it out of
+# here (to a field of the body), one line per field.
+_REFUSED_GENERATION = frozenset({
+    "n", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
+    "repetition_penalty", "min_p", "stop_token_ids", "min_tokens",  # vLLM's extensions
+})
+# Accepted and dropped: a caller's label (user, safety_identifier), storage and billing
+# options of OpenAI's platform (metadata, store, service_tier), a cache hint (prompt_cache_key).
+_IGNORED_GENERATION = frozenset({"user"})
+_IGNORED_CHAT = frozenset({
+    "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls",
+})
+
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(EndpointBody):
     model: Text
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0.0, le=2.0)
@@ -44,7 +94,6 @@ class _SamplingBody(_Body):
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
     # Lower is more urgent (vLLM's convention); the config bounds it.
     priority: StrictInt = 0
     # Seconds until the request times out (Sluice's extension); the model's config sets a default and a cap.
@@ -53,19 +102,18 @@ class _SamplingBody(_Body):
     # vLLM's extension: also return prompt and completion token ids in each choice.
     return_token_ids: StrictBool = False
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         return stop
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingBody":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: set stream_options only with stream: true")
+        return self
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -76,38 +124,134 @@ class _SamplingBody(_Body):
 class CompletionBody(_SamplingBody):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does."""
 
+    openai_fields = (
+        "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+        "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+    )
+    refused_fields = _REFUSED_GENERATION | {"best_of", "echo", "suffix"}
+    ignored_fields = _IGNORED_GENERATION
+
     prompt: Text = Field(min_length=1)
 
 
+class ToolCallFunction(_Body):
+    """The function an assistant message called: its name and its arguments (JSON text)."""
+
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Body):
+    """A tool call of an earlier assistant message, as the conversation passes it back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+# Part types that carry no text: refused, as every model Sluice serves reads text only.
+MEDIA_PART_TYPES = ("image_url", "input_audio", "file")
+
+
+class ContentPart(_Body):
+    """One part of a message's content: ``{"type": "text", "text": ...}``; a media part (image,
+    audio, file) fails validation naming its ``type``."""
+
+    type: Literal["text", "image_url", "input_audio", "file"]
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text":
+            raise ValueError(f"type: '{self.type}' parts need a model that reads them; this model reads text only")
+        if self.text is None:
+            raise ValueError("text: a text part needs its text")
+        return self
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    """A chat message. ``content`` is a string or a list of text parts (:meth:`text` joins
+    them); it may be ``null`` on an assistant message (one that called tools). ``developer``
+    is OpenAI's newer name for ``system``; a ``tool`` message answers ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    refusal: Text | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
+        return self
+
+    def text(self) -> str:
+        """The content as one string: text parts concatenated with nothing between them (as
+        OpenAI reads them; vLLM joins them with newlines); ``""`` for no content."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionBody(_SamplingBody):
     """``POST /v1/chat/completions``. Without ``max_tokens`` (or ``max_completion_tokens``)
     generation may run to the model's ``max_model_len``."""
 
+    openai_fields = (
+        "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+        "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+        "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "seed",
+        "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+        "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+    )
+    refused_fields = _REFUSED_GENERATION | {
+        "top_logprobs", "audio", "modalities", "prediction", "response_format", "tools", "tool_choice",
+        "functions", "function_call", "reasoning_effort", "verbosity", "web_search_options",
+    }
+    ignored_fields = _IGNORED_GENERATION | _IGNORED_CHAT
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
 
-class EmbeddingBody(_Body):
-    """``POST /v1/embeddings``: one string or a list of strings."""
+# A token id in a body (a prompt or an embeddings input given as ids); the vocabulary bounds it later.
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class EmbeddingBody(EndpointBody):
+    """``POST /v1/embeddings``: a string, a list of strings, a list of token ids, or a list of
+    lists of token ids. ``dimensions`` needs a model whose config lists Matryoshka dimensions."""
+
+    openai_fields = ("input", "model", "dimensions", "encoding_format", "user")
+    ignored_fields = frozenset({"user"})
 
     model: Text
-    input: Text | list[Text]
+    input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(default=None, ge=1)
     priority: StrictInt = 0
     timeout: StrictFloat | StrictInt | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
 
     @field_validator("input")
     @classmethod
-    def _not_empty(cls, value: str | list[str]) -> str | list[str]:
+    def _not_empty(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
         items = [value] if isinstance(value, str) else value
-        if not items or any(not s for s in items):
-            raise ValueError("input must be a non-empty string or a non-empty list of non-empty strings")
+        if not items or any(isinstance(s, (str, list)) and not s for s in items):
+            raise ValueError("input must be a non-empty string, token list, or list of them, with no empty item")
         return value
 
-    def inputs(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else list(self.input)
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a list: of strings, or of token-id lists (a flat id list is one input)."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if all(isinstance(i, int) for i in self.input):
+            return [list(self.input)]  # type: ignore[arg-type]
+        return list(self.input)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 requests it admitted complete as they would alone.
 
 The server runs the default config's generation buckets (``le256`` with ``max_num_seqs`` 32,
-``le1536``) with ``le256``'s ``max_queue_len`` at 16. Each request has its own
+``le2048``) with ``le256``'s ``max_queue_len`` at 16. Each request has its own
 ``httpx.AsyncClient``, connected (by a ``/health`` call) before the burst: one client's pool of
 400 connections costs seconds by itself (an identical burst of 404s, no model work at all,
 measured p50 1.2 s and p99 3.9 s through one pool, 0.25 s through one client each), which would
@@ -51,7 +51,7 @@ CONFIG = {
                     "max_queue_len": MAX_QUEUE_LEN,
                 },
                 {
-                    "max_input_tokens": 1536,
+                    "max_input_tokens": 2048,
                     "batcher": {"kind": "continuous", "max_num_seqs": 16, "max_num_batched_tokens": 512, "block_size": 16},
                     "slice": "cpu0",
                 },

@@ -25,7 +25,7 @@ def make_config_data() -> dict[str, Any]:
                 "name": "gen",
                 "source": "/models/gen",
                 "task": "generate",
-                "max_model_len": 128,
+                "max_model_len": 96,
                 "buckets": [
                     {"max_input_tokens": 32, "batcher": {"kind": "continuous", "max_num_batched_tokens": 64}, "slice": "cpu0"},
                     {"max_input_tokens": 96, "batcher": {"kind": "continuous", "max_num_batched_tokens": 128}, "slice": "cpu0"},
@@ -35,7 +35,7 @@ def make_config_data() -> dict[str, Any]:
                 "name": "emb",
                 "source": "/models/emb",
                 "task": "embed",
-                "max_model_len": 64,
+                "max_model_len": 16,
                 "buckets": [
                     {"max_input_tokens": 16, "batcher": {"kind": "dynamic", "max_batch_size": 8}, "slice": "cpu0"},
                 ],
