@@ -1,6 +1,7 @@
 """The litestar app factory: lifespan starts and stops the engine and the background gates
 (:mod:`gateway.background_gates`, after the gateway is ready); one place maps errors
-(:func:`gateway.errors.to_api_error`); every request is logged once (:mod:`gateway.access_log`)."""
+(:func:`gateway.errors.to_api_error`); every request is logged once (:mod:`gateway.access_log`),
+with its request id, and compressed bodies are inflated (:mod:`gateway.http_edge`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from gateway.router import Router
 from gateway.slice_worker import run_slice_worker
 from gateway.tuning import TuningLoop
 from gateway.routes.openai import OpenAIController
+from gateway.routes.tokenize import TokenizeController
 
 log = structlog.get_logger(__name__)
 
@@ -115,7 +117,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             await asyncio.to_thread(engine.stop)
 
     app = Litestar(
-        route_handlers=[OpenAIController, AdminController, DashboardController, health, stats, metrics_endpoint],
+        route_handlers=[OpenAIController, TokenizeController, AdminController, DashboardController, health, stats, metrics_endpoint],
         lifespan=[lifespan],
         state=State({"engine": engine, "router": Router(engine), "metrics": metrics}),
         exception_handlers={Exception: _error_response},

@@ -11,6 +11,7 @@ as OpenAI-compatible servers do (clients send extras). The README's field table 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -111,18 +112,22 @@ def field_table(
     endpoints: Mapping[str, Mapping[str, FieldStatus]], openai_fields: frozenset[str], notes: Mapping[str, str]
 ) -> str:
     """A Markdown table: one row per field of any endpoint, one column per endpoint (``—``: not
-    a field there), and the field's note; a field outside ``openai_fields`` is marked as an
-    extension."""
+    a field there), and the field's note, followed for a refused field by the values accepted
+    as if absent; a field outside ``openai_fields`` is marked as an extension."""
     names: list[str] = []
     for statuses in endpoints.values():
         names += [n for n in statuses if n not in names]
     names.sort(key=lambda n: (n not in openai_fields, n))
     lines = [
-        "| field | " + " | ".join(f"`{e}`" for e in endpoints) + " | why |",
+        "| field | " + " | ".join(f"`{e}`" for e in endpoints) + " | notes |",
         "| --- | " + " | ".join("---" for _ in endpoints) + " | --- |",
     ]
     for name in names:
         label = f"`{name}`" if name in openai_fields else f"`{name}` (extension)"
         cells = [statuses[name].value if name in statuses else "—" for statuses in endpoints.values()]
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {notes.get(name, '')} |")
+        note = notes.get(name, "")
+        if FieldStatus.REFUSED.value in cells and name in NEUTRAL_VALUES:
+            accepted = ", ".join(f"`{json.dumps(v)}`" for v in NEUTRAL_VALUES[name])
+            note = f"{note}; accepted as absent: {accepted}" if note else f"accepted as absent: {accepted}"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {note} |")
     return "\n".join(lines)
