@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
-    model_validator,
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
+    field_validator, model_validator,
 )
 
 from gateway.fields import FieldStatus, check_refused, field_statuses, field_table
@@ -226,6 +226,28 @@ class ChatCompletionBody(_SamplingBody):
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
+def _input_form(value: Any) -> str | None:
+    """Which form an embeddings ``input`` takes, by its first item, so a bad item is named by its
+    position in that form alone. The tags are the forms' type names, which ``param`` leaves out."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None  # no form: pydantic's error names ``input``
+    first = value[0] if value else ""
+    if isinstance(first, list):
+        return "list[list[int]]"
+    return "list[int]" if isinstance(first, int) and not isinstance(first, bool) else "list[str]"
+
+
+EmbeddingInput = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[list[Text], Tag("list[str]")]
+    | Annotated[list[TokenId], Tag("list[int]")]
+    | Annotated[list[list[TokenId]], Tag("list[list[int]]")],
+    Discriminator(_input_form),
+]
+
+
 class EmbeddingBody(EndpointBody):
     """``POST /v1/embeddings``: a string, a list of strings, a list of token ids, or a list of
     lists of token ids. ``dimensions`` needs a model whose config lists Matryoshka dimensions."""
@@ -234,7 +256,7 @@ class EmbeddingBody(EndpointBody):
     ignored_fields = frozenset({"user"})
 
     model: Text
-    input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     priority: StrictInt = 0
