@@ -153,9 +153,18 @@ class ToolCall(_Body):
 MEDIA_PART_TYPES = ("image_url", "input_audio", "file")
 
 
+def _text_part_schema(schema: dict[str, Any]) -> None:
+    """The documented schema of a content part: a text part (the only kind that validates)."""
+    schema["properties"]["type"] = {"enum": ["text"], "type": "string"}
+    schema["properties"]["text"] = {"type": "string"}
+    schema["required"] = ["type", "text"]
+
+
 class ContentPart(_Body):
     """One part of a message's content: ``{"type": "text", "text": ...}``; a media part (image,
-    audio, file) fails validation naming its ``type``."""
+    audio, file) fails validation naming its ``type`` (the OpenAPI document shows text parts)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_text_part_schema)
 
     type: Literal["text", "image_url", "input_audio", "file"]
     text: Text | None = None
@@ -169,10 +178,34 @@ class ContentPart(_Body):
         return self
 
 
+# The fields each role needs beside ``role``; only an assistant message carries ``tool_calls``.
+_ROLE_REQUIRED = {
+    "system": ["content"], "developer": ["content"], "user": ["content"], "assistant": [], "tool": ["content", "tool_call_id"],
+}
+
+
+def _per_role_schema(schema: dict[str, Any]) -> None:
+    """The documented schema of a message: one variant per role with the fields it needs (as
+    OpenAI's spec has it), while validation stays one model so errors name ``messages.i.field``."""
+    properties = schema.pop("properties")
+    schema.pop("required", None)
+    schema.pop("type", None)
+    variants = []
+    for role, required in _ROLE_REQUIRED.items():
+        fields = {k: v for k, v in properties.items() if k != "tool_calls" or role == "assistant"}
+        for name in required:  # a needed field is not nullable either
+            fields[name] = {**fields[name], "anyOf": [o for o in fields[name]["anyOf"] if o.get("type") != "null"]}
+        fields["role"] = {"enum": [role], "type": "string"}
+        variants.append({"type": "object", "properties": fields, "required": ["role", *required]})
+    schema["oneOf"] = variants
+
+
 class ChatMessage(_Body):
     """A chat message. ``content`` is a string or a list of text parts (:meth:`text` joins
     them); it may be ``null`` on an assistant message (one that called tools). ``developer``
     is OpenAI's newer name for ``system``; a ``tool`` message answers ``tool_call_id``."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_per_role_schema)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
