@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
@@ -308,8 +308,12 @@ class EmbeddingBody(EndpointBody):
         if isinstance(self.input, str):
             return [self.input]
         if all(isinstance(i, int) for i in self.input):
-            return [list(self.input)]  # type: ignore[arg-type]
-        return list(self.input)  # type: ignore[arg-type]
+            return [cast(list[int], list(self.input))]
+        return cast("list[str] | list[list[int]]", list(self.input))
+
+    def is_flat_ids(self) -> bool:
+        """Whether ``input`` is one list of token ids (its positions are ``input.<j>``)."""
+        return isinstance(self.input, list) and isinstance(self.input[0], int)
 
 
 class TokenizeBody(EndpointBody):

@@ -212,13 +212,14 @@ async def _input_token_lists(router: Router, served: ServedModel, body: Embeddin
     """
     inputs = body.inputs()
     check_num_inputs(served, len(inputs))
-    if all(isinstance(item, str) for item in inputs):
-        return await router.tokenize_all(served, inputs)  # type: ignore[arg-type]
+    texts = [item for item in inputs if isinstance(item, str)]
+    if texts:
+        return await router.tokenize_all(served, texts)
+    token_lists = [item for item in inputs if isinstance(item, list)]
     vocab_size = (await router.encoder(served)).vocab_size
-    is_flat = not isinstance(body.input[0], list)  # type: ignore[index]
-    for i, ids in enumerate(inputs):
-        check_token_ids(ids, vocab_size, "input" if is_flat else f"input.{i}")  # type: ignore[arg-type]
-    return inputs  # type: ignore[return-value]
+    for i, ids in enumerate(token_lists):
+        check_token_ids(ids, vocab_size, "input" if body.is_flat_ids() else f"input.{i}")
+    return token_lists
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

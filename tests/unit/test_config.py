@@ -169,6 +169,30 @@ def test_bucket_limit_above_max_model_len_is_rejected() -> None:
     assert "models.0" in message and "200" in message and "max_model_len" in message
 
 
+def test_a_largest_bucket_short_of_max_model_len_is_rejected_naming_it() -> None:
+    data = make_config_data()
+    data["models"][0]["max_model_len"] = 2048  # buckets stop at 96: prompts of 97 to 2048 tokens would have none
+    message = config_error(data)
+    assert "models.0.buckets.1.max_input_tokens" in message and "2048" in message and "96" in message
+
+
+def test_matryoshka_dimensions_are_for_embedding_models() -> None:
+    data = make_config_data()
+    data["models"][1]["matryoshka_dimensions"] = [8, 16]
+    assert parse_config(data).models[1].matryoshka_dimensions == [8, 16]
+    data["models"][0]["matryoshka_dimensions"] = [8]
+    assert "models.0.matryoshka_dimensions" in config_error(data)
+    data["models"][0].pop("matryoshka_dimensions")
+    data["models"][1]["matryoshka_dimensions"] = [0]
+    assert "models.1.matryoshka_dimensions.0" in config_error(data)
+
+
+def test_the_default_config_reaches_max_model_len() -> None:
+    config = load_config(CONFIGS_DIR / "default.yaml")
+    for model in config.models:
+        assert model.buckets[-1].max_input_tokens == model.max_model_len, model.name
+
+
 @pytest.mark.parametrize(("model_index", "wrong_kind"), [(0, "dynamic"), (1, "continuous")])
 def test_batcher_kind_must_match_the_task(model_index: int, wrong_kind: str) -> None:
     data = make_config_data()
