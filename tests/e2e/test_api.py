@@ -88,14 +88,14 @@ def test_unknown_model_is_404(openai_client) -> None:
 
 def test_prompt_over_largest_bucket_is_400(openai_client) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        openai_client.completions.create(model=GENERATE_MODEL, prompt="word " * 300, max_tokens=1)
-    assert "256" in err.value.body["message"]
+        openai_client.completions.create(model=GENERATE_MODEL, prompt="word " * 400, max_tokens=1)
+    assert "320" in err.value.body["message"]
 
 
 def test_prompt_plus_max_tokens_over_max_model_len_is_400(openai_client) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         openai_client.completions.create(model=GENERATE_MODEL, prompt="word " * 100, max_tokens=300)
-    assert err.value.body["code"] == "context_length_exceeded" and "256" in err.value.body["message"]
+    assert err.value.body["code"] == "context_length_exceeded" and "320" in err.value.body["message"]
 
 
 def test_embedding_input_over_largest_bucket_is_400(openai_client) -> None:

@@ -140,7 +140,7 @@ def test_tokenize_and_detokenize_as_vllm(client: httpx.Client, hf_causal_lm: Any
     _, tokenizer = hf_causal_lm
     out = client.post("/tokenize", json={"model": GENERATE_MODEL, "prompt": "Hello world", "return_token_strs": True}).json()
     assert out["tokens"] == tokenizer("Hello world").input_ids and out["count"] == len(out["tokens"])
-    assert out["max_model_len"] == 256 and out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
+    assert out["max_model_len"] == 320 and out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
     chat = client.post("/tokenize", json={"model": GENERATE_MODEL, "messages": CHAT["messages"]}).json()
     assert chat["tokens"] == prompt_ids(client, CHAT["messages"]) and chat["token_strs"] is None
     back = client.post("/detokenize", json={"model": GENERATE_MODEL, "tokens": out["tokens"]}).json()
@@ -204,7 +204,7 @@ def test_request_ids_are_echoed_or_made_and_logged(client: httpx.Client, server_
 
 def test_models_are_retrieved_with_created_max_model_len_and_task(client: httpx.Client) -> None:
     listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
-    for name, task, max_model_len in [(GENERATE_MODEL, "generate", 256), (EMBED_MODEL, "embed", 256)]:
+    for name, task, max_model_len in [(GENERATE_MODEL, "generate", 320), (EMBED_MODEL, "embed", 256)]:
         card = client.get(f"/v1/models/{name}").json()
         assert card == listed[name]
         assert (card["task"], card["max_model_len"], card["object"]) == (task, max_model_len, "model")
