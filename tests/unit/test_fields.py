@@ -11,10 +11,11 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from gateway.errors import APIError, validation_error
+from gateway.field_table import OPENAI_BODIES, readme_field_table
 from gateway.fields import NEUTRAL_VALUES, FieldStatus, is_neutral
 from gateway.schemas import (
-    OPENAI_BODIES, ChatCompletionBody, ChatMessage, CompletionBody, ContentPart, DetokenizeBody, EmbeddingBody,
-    EndpointBody, StreamOptions, TokenizeBody, ToolCall, readme_field_table,
+    ChatCompletionBody, ChatMessage, CompletionBody, ContentPart, DetokenizeBody, EmbeddingBody,
+    EndpointBody, StreamOptions, TokenizeBody, ToolCall,
 )
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -35,7 +36,7 @@ def test_the_readme_table_is_the_schemas() -> None:
     text = README.read_text()
     found = re.search(r"<!-- field-table:start -->\n(.*?)\n<!-- field-table:end -->", text, re.S)
     assert found, "README.md has no field table between the field-table markers"
-    assert found.group(1) == readme_field_table(), "regenerate it with gateway.schemas.readme_field_table()"
+    assert found.group(1) == readme_field_table(), "regenerate it with gateway.field_table.readme_field_table()"
 
 
 @pytest.mark.parametrize("body", OPENAI_BODIES.values(), ids=OPENAI_BODIES.keys())
