@@ -1,6 +1,7 @@
 """The litestar app factory: lifespan starts and stops the engine and the background gates
 (:mod:`gateway.background_gates`, after the gateway is ready); one place maps errors
-(:func:`gateway.errors.to_api_error`); every request is logged once (:mod:`gateway.access_log`)."""
+(:func:`gateway.errors.to_api_error`); every request is logged once (:mod:`gateway.access_log`),
+with its request id, and compressed bodies are inflated (:mod:`gateway.http_edge`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardController
 from gateway.engine import Engine
 from gateway.errors import APIError, ConfigError, is_domain_error, to_api_error
+from gateway.http_edge import BodyDecoding, RequestIds
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.router import Router
@@ -32,6 +34,7 @@ from gateway.slice_worker import run_slice_worker
 from gateway.tuning import TuningLoop
 from gateway.routes.openai import OpenAIController
 from models.cpu_memory import freeze_long_lived_objects
+from gateway.routes.tokenize import TokenizeController
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +123,7 @@ def create_app(config: GatewayConfig) -> Litestar:
             await asyncio.to_thread(engine.stop)
 
     app = Litestar(
-        route_handlers=[OpenAIController, AdminController, DashboardController, health, stats, metrics_endpoint],
+        route_handlers=[OpenAIController, TokenizeController, AdminController, DashboardController, health, stats, metrics_endpoint],
         lifespan=[lifespan],
         state=State({"engine": engine, "router": Router(engine), "metrics": metrics}),
         exception_handlers={Exception: _error_response},
@@ -130,6 +133,8 @@ def create_app(config: GatewayConfig) -> Litestar:
         # third-party INFO lines) that gateway.logging.configure_logging installed.
         logging_config=None,
     )
-    # Around the whole handler, not as a route middleware: unknown paths (404) are logged too.
-    app.asgi_handler = AccessLog(app.asgi_handler, metrics.observe_http)
+    # Around the whole handler, not as route middlewares: unknown paths (404) are logged, and
+    # carry a request id, too.
+    decoding = BodyDecoding(app.asgi_handler, int(config.max_request_body_bytes))
+    app.asgi_handler = AccessLog(RequestIds(decoding), metrics.observe_http)
     return app

@@ -166,14 +166,23 @@ class ModelConfig(_Strict):
     # default deadline / no cap). Without a body timeout the default is clipped to the cap.
     default_timeout_s: float | None = Field(default=None, gt=0)
     max_timeout_s: float | None = Field(default=None, gt=0)
+    # An embedding model trained with Matryoshka representation learning: the sizes its leading
+    # components may be cut to (a request's ``dimensions``); None: the model has none.
+    matryoshka_dimensions: list[Annotated[int, Field(ge=1)]] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "ModelConfig":
         limits = [b.max_input_tokens for b in self.buckets]
         if limits != sorted(set(limits)):
             raise ValueError(f"buckets: max_input_tokens must be strictly increasing, got {limits}")
-        if limits[-1] > self.max_model_len:
-            raise ValueError(f"buckets: max_input_tokens {limits[-1]} exceeds max_model_len {self.max_model_len}")
+        if limits[-1] != self.max_model_len:
+            # Clients read max_model_len as the promise: a prompt up to it must have a bucket.
+            raise ValueError(
+                f"buckets.{len(limits) - 1}.max_input_tokens: the largest bucket must reach max_model_len "
+                f"{self.max_model_len}, got {limits[-1]}"
+            )
+        if self.matryoshka_dimensions is not None and self.task != "embed":
+            raise ValueError(f"matryoshka_dimensions: only an embedding model has them; {self.name} generates")
         names = [b.bucket_name for b in self.buckets]
         if len(set(names)) != len(names):
             raise ValueError(f"buckets: names must be unique, got {names}")

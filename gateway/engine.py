@@ -47,6 +47,7 @@ class ServedModel:
     layout_no: int = 0  # bumped by each new bucket layout (its buckets' keys on their slices)
     # Called with (model name, request, completion tokens, outcome) once per finished request.
     request_observers: list[RequestObserver] = field(default_factory=list)
+    created_s: float = field(default_factory=time.time)  # Unix time the model finished loading
 
     def finish(self, request: Request, completion_tokens: int, outcome: str) -> None:
         """Log a finished request once and hand it to the observers (metrics, dashboards)."""

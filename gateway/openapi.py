@@ -19,13 +19,15 @@ from pydantic import BaseModel
 
 from gateway.admin import BucketPatch, LayoutBody
 from gateway.config import ModelConfig
-from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
+from gateway.schemas import ChatCompletionBody, CompletionBody, DetokenizeBody, EmbeddingBody, TokenizeBody
 
 # The body model of each route that reads a body, by (method, full path as litestar registers it).
 REQUEST_BODIES: Mapping[tuple[str, str], type[BaseModel]] = {
     ("POST", "/v1/completions"): CompletionBody,
     ("POST", "/v1/chat/completions"): ChatCompletionBody,
     ("POST", "/v1/embeddings"): EmbeddingBody,
+    ("POST", "/tokenize"): TokenizeBody,
+    ("POST", "/detokenize"): DetokenizeBody,
     ("POST", "/admin/models"): ModelConfig,
     ("PUT", "/admin/models/{model:str}/buckets"): LayoutBody,
     ("PATCH", "/admin/models/{model:str}/buckets/{bucket:str}"): BucketPatch,

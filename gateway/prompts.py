@@ -11,21 +11,55 @@ from __future__ import annotations
 import re
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from jinja2 import TemplateError
 
 from gateway.errors import invalid_request
 
 
+class ToolFunction(Protocol):
+    """The function of a tool call: its name and its arguments (JSON text)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def arguments(self) -> str: ...
+
+
+class ToolCall(Protocol):
+    """A tool call an assistant message made."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def function(self) -> ToolFunction: ...
+
+
 class Message(Protocol):
-    """A chat message as the body schema holds it."""
+    """A chat message as the body schema holds it; ``text()`` is its content as one string."""
 
     @property
     def role(self) -> str: ...
 
     @property
-    def content(self) -> str: ...
+    def name(self) -> str | None: ...
+
+    @property
+    def tool_call_id(self) -> str | None: ...
+
+    @property
+    def tool_calls(self) -> Sequence[ToolCall] | None: ...
+
+    def text(self) -> str: ...
+
+
+# Roles a chat template is given for OpenAI's: ``developer`` is OpenAI's newer ``system``.
+TEMPLATE_ROLES = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -57,31 +91,47 @@ class PromptEncoder:
         self._backends = None if backend is None else {split: _backend_copy(backend, split) for split in (True, False)}
         self._slow_lock = threading.Lock()
 
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary, added tokens included: a prompt's ids lie in ``[0, vocab_size)``."""
+        return len(self.tokenizer)
+
     def text_pieces(self, text: str) -> list[Piece]:
         """A completion's prompt: user text, with the usual special tokens."""
         return [Piece(text, is_user_text=True, add_special_tokens=True)]
 
-    def chat_pieces(self, messages: Sequence[Message], model_name: str) -> list[Piece]:
-        """The chat template applied to ``messages`` with the generation prompt, as pieces: the
-        template's text keeps its control tokens, each content is user text. The template is
-        rendered with a placeholder per content, so its cost does not grow with the contents.
+    def chat_pieces(self, messages: Sequence[Message], model_name: str, add_generation_prompt: bool = True) -> list[Piece]:
+        """The chat template applied to ``messages`` (with the generation prompt unless told not
+        to), as pieces: the template's text keeps its control tokens, each string a client wrote
+        (content, name, tool call ids, names and arguments) is user text. The template is rendered
+        with a placeholder per string, so its cost does not grow with them.
 
         A conversation without control-token strings tokenizes as the whole rendered template
         does, except where a content's leading or trailing whitespace would merge with the
         template's across the seam.
 
         Raises:
-            APIError: 400 (``messages``) when the model has no chat template.
+            APIError: 400 (``messages``) when the model has no chat template, or its template
+                refuses the conversation (a role it does not know, roles out of order).
         """
         if not self.tokenizer.chat_template:
             raise invalid_request(f"The model '{model_name}' has no chat template", param="messages")
         nonce = uuid.uuid4().hex
-        placeholders = [{"role": m.role, "content": f"@@{nonce}:{i}@@"} for i, m in enumerate(messages)]
-        text = self.tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+        texts: list[str] = []
+
+        def hole(text: str) -> str:
+            texts.append(text)
+            return f"@@{nonce}:{len(texts) - 1}@@"
+
+        rendered = [_template_message(m, hole) for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateError as exc:
+            raise invalid_request(f"The chat template of '{model_name}' refuses the messages: {exc}", param="messages") from None
         pieces = []
         for index, part in enumerate(re.split(f"@@{nonce}:(\\d+)@@", text)):
-            is_content = index % 2 == 1  # re.split puts the captured message index at odd positions
-            pieces.append(Piece(messages[int(part)].content if is_content else part, is_content, False))
+            is_client_text = index % 2 == 1  # re.split puts the captured index at odd positions
+            pieces.append(Piece(texts[int(part)] if is_client_text else part, is_client_text, False))
         return pieces
 
     def max_num_tokens(self, pieces: Sequence[Piece]) -> int:
@@ -107,6 +157,21 @@ class PromptEncoder:
                 piece.text, add_special_tokens=piece.add_special_tokens, split_special_tokens=piece.is_user_text
             )
             return list(encoded.input_ids)
+
+
+def _template_message(message: Message, hole: Callable[[str], str]) -> dict[str, Any]:
+    """``message`` as a chat template reads it, each client string replaced by ``hole(string)``."""
+    out: dict[str, Any] = {"role": TEMPLATE_ROLES.get(message.role, message.role), "content": hole(message.text())}
+    if message.name is not None:
+        out["name"] = hole(message.name)
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = hole(message.tool_call_id)
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": hole(c.id), "type": "function", "function": {"name": hole(c.function.name), "arguments": hole(c.function.arguments)}}
+            for c in message.tool_calls
+        ]
+    return out
 
 
 def _backend_copy(backend: Any, split_special_tokens: bool) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import struct
 import time
 import uuid
@@ -18,12 +19,13 @@ from pydantic import BaseModel, ValidationError
 from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest, Request as CoreRequest
 from gateway.access_log import note
 from gateway.engine import ServedModel
-from gateway.errors import APIError, invalid_request, validation_error
+from gateway.errors import APIError, invalid_request, model_not_found, validation_error
 from gateway.response_format import ResponseFormat
 from gateway.router import Prompt, Router, TokenBudget
+from gateway.http_edge import request_id_of
 from gateway.routes.choices import PromptSource, check_choices, completion_prompts
 from gateway.routes.generation import EchoOnlyResponse, collect_response, finish, first_event, first_events, stream_response
-from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
+from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody, EndpointBody
 from gateway.streams import EventChannel, RequestWatch
 from models.step_io import SamplingParams
 from policies.deadlines import TimeoutOverCapError, resolve_timeout_s
@@ -32,10 +34,11 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 async def parse_body(request: Request[Any, Any, Any], schema: type[BodyT]) -> BodyT:
-    """Parse and validate a JSON body.
+    """Parse and validate a JSON body (whatever its declared content type).
 
     Raises:
-        APIError: 400 for malformed JSON (too deeply nested or with too many digits included)
+        APIError: 400 for malformed JSON (too deeply nested or with too many digits included),
+            a field the endpoint refuses (``unsupported_parameter``, see :mod:`gateway.fields`)
             or a field that fails validation (``param`` names it, as a dotted path);
             413 (from litestar) for a body over ``max_request_body_bytes``.
     """
@@ -48,6 +51,8 @@ async def parse_body(request: Request[Any, Any, Any], schema: type[BodyT]) -> Bo
         raise invalid_request("The request body must be a JSON object", code="invalid_json")
     if isinstance(data.get("model"), str):
         note(request.scope, model=data["model"])  # for the access log, a body that fails validation included
+    if issubclass(schema, EndpointBody):
+        schema.check_refused(data)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -117,9 +122,18 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def list_models(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
-        models = _router(request).engine.models.values()
-        data = [{"id": m.config.name, "object": "model", "created": 0, "owned_by": "sluice"} for m in models]
-        return {"object": "list", "data": data}
+        """Every served model, as :func:`model_card` describes it."""
+        models = list(_router(request).engine.models.values())
+        return {"object": "list", "data": [model_card(m) for m in models]}
+
+    @get("/models/{model_id:path}")
+    async def retrieve_model(self, request: Request[Any, Any, Any], model_id: str) -> dict[str, Any]:
+        """One served model (a name may hold ``/``). Raises APIError 404 for an unknown one."""
+        name = model_id.lstrip("/")
+        served = _router(request).engine.models.get(name)
+        if served is None:
+            raise model_not_found(name)
+        return model_card(served)
 
     @post("/completions", status_code=200)
     async def completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
@@ -136,7 +150,7 @@ class OpenAIController(Controller):
         prompts = completion_prompts(served, body)
         fmt = ResponseFormat.COMPLETION
         if max_tokens == 0:
-            return await _echo_only(router, served, body, prompts, fmt)
+            return await _echo_only(request, router, served, body, prompts, fmt)
         budget: TokenBudget = lambda _: max_tokens  # noqa: E731
         return await _generate(request, router, served, body, prompts, budget, fmt, arrival_s, deadline_s)
 
@@ -165,9 +179,8 @@ class OpenAIController(Controller):
         served = router.model(body.model, "embed")
         check_priority(router, body.priority)
         deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
-        texts = body.inputs()
-        check_num_inputs(served, len(texts))
-        token_lists = await router.tokenize_all(served, texts)
+        check_dimensions(served, body.dimensions)
+        token_lists = await _input_token_lists(router, served, body)
         for ids in token_lists:  # all inputs fit, or none is queued
             router.route(served, len(ids), 0, "input")
         submitted: list[tuple[EmbeddingRequest, EventChannel]] = []
@@ -188,6 +201,8 @@ class OpenAIController(Controller):
             for wait, queued in zip(waits, requests):
                 wait.cancel()  # one input failed: stop waiting for the others ...
                 queued.cancel()  # ... which the batcher drops unrun
+        if body.dimensions is not None:
+            results = [matryoshka(emb, body.dimensions) for emb in results]
         encode = _base64_floats if body.encoding_format == "base64" else list
         data = [{"object": "embedding", "index": i, "embedding": encode(emb)} for i, emb in enumerate(results)]
         num_tokens = sum(len(ids) for ids in token_lists)
@@ -195,6 +210,75 @@ class OpenAIController(Controller):
         slowest = max(requests, key=lambda r: r.timeline.get("first_token", 0.0))
         body_out = {"object": "list", "data": data, "model": served.config.name, "usage": usage}
         return Response(body_out, headers=timing_headers(slowest))
+
+
+async def _input_token_lists(router: Router, served: ServedModel, body: EmbeddingBody) -> list[list[int]]:
+    """The token ids of each embeddings input: strings tokenized, token ids checked.
+
+    Raises:
+        APIError: 400 ``too_many_inputs`` over the model's ``max_embedding_inputs``; 400 naming
+            the position (``input.3``, ``input.1.3``) of a token id outside the vocabulary.
+    """
+    inputs = body.inputs()
+    check_num_inputs(served, len(inputs))
+    texts = [item for item in inputs if isinstance(item, str)]
+    if texts:
+        return await router.tokenize_all(served, texts)
+    token_lists = [item for item in inputs if isinstance(item, list)]
+    vocab_size = (await router.encoder(served)).vocab_size
+    for i, ids in enumerate(token_lists):
+        check_token_ids(ids, vocab_size, "input" if body.is_flat_ids() else f"input.{i}")
+    return token_lists
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Raises APIError 400 (``param.<position>``, ``invalid_token_id``) for an id outside
+    ``[0, vocab_size)``."""
+    for position, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(
+                f"token id {token_id} is outside the vocabulary of {vocab_size} tokens",
+                param=f"{param}.{position}",
+                code="invalid_token_id",
+            )
+
+
+def check_dimensions(served: ServedModel, dimensions: int | None) -> None:
+    """Raises APIError 400 (``dimensions``): ``unsupported_parameter`` for a model whose config
+    declares no ``matryoshka_dimensions``, ``invalid_dimensions`` for a size it does not declare."""
+    if dimensions is None:
+        return
+    declared = served.config.matryoshka_dimensions
+    if declared is None:
+        raise invalid_request(
+            f"The model '{served.config.name}' declares no Matryoshka dimensions, so Sluice does not implement "
+            "'dimensions' for it; leave it out (or null)",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
+    if dimensions not in declared:
+        raise invalid_request(
+            f"dimensions is {dimensions}; the model '{served.config.name}' takes one of {declared}",
+            param="dimensions",
+            code="invalid_dimensions",
+        )
+
+
+def matryoshka(embedding: list[float], dimensions: int) -> list[float]:
+    """The first ``dimensions`` components of a Matryoshka embedding, L2-renormalised (as
+    sentence-transformers' ``truncate_dim`` followed by normalising does)."""
+    head = embedding[:dimensions]
+    norm = math.sqrt(sum(x * x for x in head))
+    return [x / norm for x in head] if norm > 0 else head
+
+
+def model_card(served: ServedModel) -> dict[str, Any]:
+    """A model as OpenAI's ``/v1/models`` lists it, with vLLM's ``max_model_len`` and the task:
+    ``created`` is the Unix time (seconds) it finished loading."""
+    return {
+        "id": served.config.name, "object": "model", "created": int(served.created_s), "owned_by": "sluice",
+        "max_model_len": served.config.max_model_len, "task": served.config.task,
+    }
 
 
 def _chat_max_tokens(body: ChatCompletionBody) -> tuple[str, int | None]:
@@ -256,7 +340,7 @@ async def _generate(
     or none: a refusal cancels those queued before it.
     """
     params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed)
-    response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    response_id = f"{fmt.id_prefix}-{request_id_of(http_request.scope)}"
     sources: list[PromptSource] = []
     try:
         for p, (prompt, text) in enumerate(prompts):
@@ -316,7 +400,8 @@ def _request_factory(
 
 
 async def _echo_only(
-    router: Router, served: ServedModel, body: CompletionBody, prompts: list[tuple[Prompt, str]], fmt: ResponseFormat
+    http_request: Request[Any, Any, Any], router: Router, served: ServedModel, body: CompletionBody,
+    prompts: list[tuple[Prompt, str]], fmt: ResponseFormat,
 ) -> Response[Any] | Stream:
     """``max_tokens: 0`` with ``echo``: every choice is its prompt's text, nothing generated.
 
@@ -330,7 +415,7 @@ async def _echo_only(
             raise invalid_request("The prompt tokenizes to no tokens", param=prompt.param)
         router.route(served, len(ids), 0, prompt.param)
         num_prompt_tokens += len(ids)
-    response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    response_id = f"{fmt.id_prefix}-{request_id_of(http_request.scope)}"
     texts = [text for _, text in prompts]
     out = EchoOnlyResponse(served, response_id, texts, num_prompt_tokens, body.n, fmt)
     if body.stream:

@@ -66,7 +66,7 @@ def test_admin_calls_need_the_bearer_token(server: Server) -> None:
     models = {m["name"]: m for m in response.json()["models"]}
     assert set(models) == {GENERATE_MODEL, EMBED_MODEL}
     assert models[GENERATE_MODEL]["state"] == "ready"
-    assert [b["name"] for b in models[GENERATE_MODEL]["buckets"]] == ["le48", "le256"]
+    assert [b["name"] for b in models[GENERATE_MODEL]["buckets"]] == ["le48", "le320"]
     one = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=AUTH).json()
     assert one["config"]["task"] == "embed" and one["buckets"][0]["kind"] == "dynamic"
     assert httpx.get(f"{url}/admin/models/nope", headers=AUTH).status_code == 404

@@ -42,7 +42,7 @@ def config_data(cache_dir: Path) -> dict[str, Any]:
     return {
         "cache_dir": str(cache_dir),
         "slices": [{"name": "cpu0", "device": "cpu", "num_threads": 2}],
-        "models": [{"name": EMBED_MODEL, "source": SOURCE, "task": "embed", "max_model_len": 512, "buckets": [BUCKET]}],
+        "models": [{"name": EMBED_MODEL, "source": SOURCE, "task": "embed", "max_model_len": 32, "buckets": [BUCKET]}],
         "gate": GATE,
     }
 

@@ -3,7 +3,7 @@
 admitted complete as they would alone.
 
 The server runs the default config's generation buckets (``le256`` with ``max_num_seqs`` 32,
-``le1536``) with ``le256``'s ``max_queue_len`` at 16. The burst is sent by
+``le2048``) with ``le256``'s ``max_queue_len`` at 16. The burst is sent by
 :func:`bench.burst.send_burst`: one keep-alive connection per request, opened before the burst,
 the same request bytes written on each, every response read by one ``selectors`` loop. Its own
 work is microseconds per request, so the times it sees are the server's; 400
@@ -53,7 +53,7 @@ CONFIG = {
                     "max_queue_len": MAX_QUEUE_LEN,
                 },
                 {
-                    "max_input_tokens": 1536,
+                    "max_input_tokens": 2048,
                     "batcher": {"kind": "continuous", "max_num_seqs": 16, "max_num_batched_tokens": 512, "block_size": 16},
                     "slice": "cpu0",
                 },

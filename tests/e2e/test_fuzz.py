@@ -4,7 +4,8 @@ A dedicated server runs here with ``max_tokens_cap`` 4 and short embedding batch
 valid generated bodies stay cheap. Each POST operation gets schema-valid bodies (positive mode)
 and schema-violating ones (negative mode); the GET operations get what they take. Hypothesis
 runs derandomized, without shrinking or an example database, so the run is reproducible and
-bounded: about 1,100 requests, all to 127.0.0.1.
+bounded: about 1,900 requests, all to 127.0.0.1. The bodies include content-part arrays,
+token-id inputs, ``dimensions`` and the tokenizer endpoints' bodies.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ NUM_EXAMPLES_PER_GET = 20
 MIN_NUM_REQUESTS = 1000
 REQUEST_TIMEOUT_S = 60
 # The served model each POST route takes; a generated ``model`` string is almost never one.
-POST_MODELS = {"/v1/completions": GENERATE_MODEL, "/v1/chat/completions": GENERATE_MODEL, "/v1/embeddings": EMBED_MODEL}
+POST_MODELS = {
+    "/v1/completions": GENERATE_MODEL, "/v1/chat/completions": GENERATE_MODEL, "/v1/embeddings": EMBED_MODEL,
+    "/tokenize": GENERATE_MODEL, "/detokenize": EMBED_MODEL,
+}
 POST_PATHS = tuple(POST_MODELS)
 
 Send = Callable[[schemathesis.Case], None]

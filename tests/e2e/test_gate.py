@@ -40,7 +40,7 @@ def config_data(cache_dir: Path, backend: str = "auto", max_batch_size: int = 4)
     return {
         "cache_dir": str(cache_dir),
         "slices": [{"name": "cpu0", "device": "cpu", "num_threads": 2}],
-        "models": [{"name": EMBED_MODEL, "source": SOURCE, "task": "embed", "max_model_len": 512, "buckets": [bucket]}],
+        "models": [{"name": EMBED_MODEL, "source": SOURCE, "task": "embed", "max_model_len": bucket["max_input_tokens"], "buckets": [bucket]}],
         "gate": {**GATE, "run_at_start": False},
     }
 

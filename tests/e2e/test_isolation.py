@@ -23,7 +23,7 @@ from tests.e2e.conftest import CONFIG, GENERATE_MODEL, run_server
 
 NUM_SAMPLES = 20
 NUM_LONG_CLIENTS = 12
-LONG_BUCKET = "le256"
+LONG_BUCKET = "le320"
 
 
 @pytest.fixture(scope="module")

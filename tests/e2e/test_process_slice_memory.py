@@ -23,7 +23,7 @@ def _config(isolation: str) -> dict[str, Any]:
     continuous = {"kind": "continuous", "max_num_seqs": 4, "max_num_batched_tokens": 128}
     return {
         "slices": [{"name": "only", "device": "cpu", "num_threads": 1, "kv_cache_memory_bytes": "16MiB", "isolation": isolation}],
-        "models": [{"name": GENERATE_MODEL, "source": GENERATE_SOURCE, "task": "generate", "max_model_len": 256,
+        "models": [{"name": GENERATE_MODEL, "source": GENERATE_SOURCE, "task": "generate", "max_model_len": 128,
                     "buckets": [{"max_input_tokens": 128, "batcher": continuous, "slice": "only"}]}],
     }
 

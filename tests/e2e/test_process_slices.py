@@ -38,9 +38,9 @@ def _models(suffix: str, slice_name: str) -> list[dict[str, Any]]:
     dynamic = {"kind": "dynamic", "max_batch_size": 8, "max_queue_delay_ms": 5}
     return [
         {"name": GENERATE_MODEL + suffix, "source": GENERATE_SOURCE, "task": "generate", "max_model_len": 256,
-         "buckets": [{"max_input_tokens": 128, "batcher": continuous, "slice": slice_name}]},
+         "buckets": [{"max_input_tokens": 256, "batcher": continuous, "slice": slice_name}]},
         {"name": EMBED_MODEL + suffix, "source": EMBED_SOURCE, "task": "embed", "max_model_len": 256,
-         "buckets": [{"max_input_tokens": 128, "batcher": dynamic, "slice": slice_name}]},
+         "buckets": [{"max_input_tokens": 256, "batcher": dynamic, "slice": slice_name}]},
     ]
 
 
@@ -99,7 +99,7 @@ def test_a_process_slice_serves_what_a_thread_slice_does(server: tuple[str, Path
         for suffix in ("", "-thread"):
             response = client.post("/v1/completions", json={**body, "model": GENERATE_MODEL + suffix})
             assert response.status_code == 200, response.text
-            assert response.headers["x-sluice-bucket"] == "le128" and "x-sluice-prefill-ms" in response.headers
+            assert response.headers["x-sluice-bucket"] == "le256" and "x-sluice-prefill-ms" in response.headers
             texts[suffix] = response.json()["choices"][0]["text"]
             assert _streamed_text(client, {**body, "model": GENERATE_MODEL + suffix}) == texts[suffix]
         assert texts[""] == texts["-thread"] and texts[""]
@@ -186,7 +186,7 @@ def _wait_for_stats(url: str, condition: Any, timeout_s: float = 60.0) -> dict[s
 def test_knob_changes_reach_the_worker_and_layout_changes_are_refused(server: tuple[str, Path]) -> None:
     url, _ = server
     _wait_ready(url)
-    patch = httpx.patch(f"{url}/admin/models/{GENERATE_MODEL}/buckets/le128", json={"max_num_seqs": 1}, timeout=30)
+    patch = httpx.patch(f"{url}/admin/models/{GENERATE_MODEL}/buckets/le256", json={"max_num_seqs": 1}, timeout=30)
     assert patch.status_code == 200, patch.text
     before = _bucket_stats(url, GENERATE_MODEL)
 
@@ -198,7 +198,7 @@ def test_knob_changes_reach_the_worker_and_layout_changes_are_refused(server: tu
     assert asyncio.run(run()) == [200, 200, 200]
     after = _wait_for_stats(url, lambda s: s["num_finished"] >= before["num_finished"] + 3)
     assert after["max_batch_seqs"] == 1  # one sequence per step since the patch (and since the restart)
-    layout = {"buckets": [{"max_input_tokens": 64, "batcher": {"kind": "continuous"}, "slice": "proc"}]}
+    layout = {"buckets": [{"max_input_tokens": 256, "batcher": {"kind": "continuous"}, "slice": "proc"}]}
     put = httpx.put(f"{url}/admin/models/{GENERATE_MODEL}/buckets", json=layout, timeout=30)
     assert put.status_code == 409 and put.json()["error"]["code"] == "process_slice"
     delete = httpx.delete(f"{url}/admin/models/{EMBED_MODEL}", timeout=30)

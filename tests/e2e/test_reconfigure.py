@@ -25,9 +25,9 @@ NUM_LAYOUTS = 10
 NUM_PATCHES = 20
 MAX_TOKENS = 12
 LAYOUTS = [
-    [(48, {"max_num_seqs": 16, "max_num_batched_tokens": 512}), (256, {"max_num_seqs": 8, "max_num_batched_tokens": 512})],
+    [(48, {"max_num_seqs": 16, "max_num_batched_tokens": 512}), (320, {"max_num_seqs": 8, "max_num_batched_tokens": 512})],
     [(24, {"max_num_seqs": 4, "max_num_batched_tokens": 128}), (96, {"max_num_seqs": 8, "max_num_batched_tokens": 256}),
-     (256, {"max_num_seqs": 4, "max_num_batched_tokens": 256})],
+     (320, {"max_num_seqs": 4, "max_num_batched_tokens": 256})],
 ]
 PROMPTS = [
     "Hi", "The capital of France is", "Write a haiku about rain:", "List three colours:",
@@ -114,10 +114,12 @@ def test_an_invalid_change_is_422_and_changes_nothing(admin_url: str) -> None:
     bucket = _model(admin_url, GENERATE_MODEL)["buckets"][0]["name"]
     bad_layout = [{"max_input_tokens": 96, "slice": "cpu0", "batcher": {"kind": "continuous"}},
                   {"max_input_tokens": 48, "slice": "cpu0", "batcher": {"kind": "continuous"}}]
+    whole = {**bad_layout[0], "max_input_tokens": 320}  # one bucket reaching the test config's max_model_len
     cases = [
         ("put", f"/admin/models/{GENERATE_MODEL}/buckets", {"buckets": bad_layout}, "strictly increasing"),
-        ("put", f"/admin/models/{GENERATE_MODEL}/buckets", {"buckets": [{**bad_layout[0], "slice": "gpu9"}]}, "unknown slice"),
-        ("put", f"/admin/models/{GENERATE_MODEL}/buckets", {"buckets": [{**bad_layout[0], "batcher": {"kind": "dynamic"}}]}, "needs 'continuous'"),
+        ("put", f"/admin/models/{GENERATE_MODEL}/buckets", {"buckets": [{**whole, "slice": "gpu9"}]}, "unknown slice"),
+        ("put", f"/admin/models/{GENERATE_MODEL}/buckets", {"buckets": [{**whole, "batcher": {"kind": "dynamic"}}]}, "needs 'continuous'"),
+        ("put", f"/admin/models/{GENERATE_MODEL}/buckets", {"buckets": [bad_layout[1]]}, "must reach max_model_len"),
         ("patch", f"/admin/models/{GENERATE_MODEL}/buckets/{bucket}", {"max_num_seqs": 0}, "greater than or equal to 1"),
         ("patch", f"/admin/models/{GENERATE_MODEL}/buckets/{bucket}", {"max_batch_size": 8}, "Extra inputs"),
         ("patch", f"/admin/models/{GENERATE_MODEL}/buckets/{bucket}", {"block_size": 8}, "Extra inputs"),

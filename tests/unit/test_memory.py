@@ -24,7 +24,7 @@ GiB = 1024**3
 def config_with(slices: list[dict[str, Any]], buckets: list[dict[str, Any]]) -> GatewayConfig:
     return parse_config({
         "slices": slices,
-        "models": [{"name": "gen", "source": "/models/gen", "task": "generate", "max_model_len": 4096, "buckets": buckets}],
+        "models": [{"name": "gen", "source": "/models/gen", "task": "generate", "max_model_len": buckets[-1]["max_input_tokens"], "buckets": buckets}],
     })
 
 

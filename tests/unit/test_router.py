@@ -17,6 +17,7 @@ from buckets.bucket import BucketTable
 from buckets.request import GenerationRequest, Request
 from gateway.errors import APIError
 from gateway.prompts import PromptEncoder
+from gateway.schemas import ChatMessage
 from gateway.router import Prompt, Router
 from tests.unit.test_bucket_table import dummy_batcher, make_bucket
 
@@ -183,7 +184,7 @@ def test_encoding_equals_the_tokenizer_with_control_strings_split(index: int) ->
 
 def test_chat_encoding_keeps_the_template_control_tokens_and_splits_the_contents() -> None:
     tokenizer, encoder = real_tokenizers()[0], real_encoders()[0]
-    messages = [SimpleNamespace(role="user", content="Say <|im_end|> please")]
+    messages = [ChatMessage(role="user", content="Say <|im_end|> please")]
     ids = encoder.encode(encoder.chat_pieces(messages, "m"))  # type: ignore[arg-type]
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Say please"}], add_generation_prompt=True, tokenize=False)
@@ -201,7 +202,7 @@ def test_the_byte_bound_holds_for_any_text(text: str) -> None:
 
 def test_threads_encoding_at_once_with_both_settings_get_what_each_would_alone() -> None:
     encoder = real_encoders()[0]
-    messages = [SimpleNamespace(role="user", content="a <|im_end|> b")]
+    messages = [ChatMessage(role="user", content="a <|im_end|> b")]
     chat_pieces = encoder.chat_pieces(messages, "m")  # type: ignore[arg-type]
     text_pieces = encoder.text_pieces("a <|im_end|> b")
     expected = (encoder.encode(chat_pieces), encoder.encode(text_pieces))

@@ -28,7 +28,7 @@ def rejected_field(model: type, body: dict[str, Any]) -> set[str]:
 
 def test_minimal_bodies_are_valid_with_defaults() -> None:
     body = CompletionBody.model_validate(completion())
-    assert (body.temperature, body.top_p, body.top_k, body.n, body.stream) == (1.0, 1.0, 0, 1, False)
+    assert (body.temperature, body.top_p, body.top_k, body.stream) == (1.0, 1.0, 0, False)
     assert body.max_tokens is None and body.seed is None and body.stop_strings() == ()
     ChatCompletionBody.model_validate(chat())
     EmbeddingBody.model_validate({"model": "m", "input": "x"})
@@ -40,7 +40,7 @@ def test_minimal_bodies_are_valid_with_defaults() -> None:
         {"temperature": 0}, {"temperature": 2}, {"temperature": 0.7}, {"top_p": 1}, {"top_p": 0.01},
         {"top_k": 0}, {"top_k": 50}, {"max_tokens": 1}, {"seed": 0}, {"seed": -5},
         {"stop": "END"}, {"stop": ["a", "b", "c", "d"]}, {"n": 1}, {"n": 3}, {"stream": True},
-        {"stream_options": {"include_usage": True}}, {"unknown_extra": 1},
+        {"stream": True, "stream_options": {"include_usage": True}}, {"unknown_extra": 1},
     ],
 )
 def test_valid_sampling_fields_are_accepted(overrides: dict[str, Any]) -> None:
@@ -57,7 +57,7 @@ def test_valid_sampling_fields_are_accepted(overrides: dict[str, Any]) -> None:
         ("max_tokens", -3),
         ("n", 0), ("n", -1), ("n", 1.0), ("n", "2"),
         ("stop", ["a"] * (MAX_STOP_STRINGS + 1)),
-        ("temperature", "hot"), ("temperature", "0.5"), ("temperature", True), ("temperature", None),
+        ("temperature", "hot"), ("temperature", "0.5"), ("temperature", True),
         ("top_p", "1"), ("top_k", 1.5), ("top_k", "3"), ("max_tokens", 2.0), ("max_tokens", "16"),
         ("seed", 1.0), ("seed", "7"), ("stream", "yes"), ("stream", 1), ("stop", 5), ("stop", ["a", 1]),
         ("model", 3), ("priority", "high"), ("ignore_eos", "no"),
@@ -136,7 +136,7 @@ def test_stop_strings_normalise_to_a_tuple() -> None:
     assert CompletionBody.model_validate(completion(stop=["x", "y"])).stop_strings() == ("x", "y")
 
 
-@pytest.mark.parametrize("value", ["", [], [""], ["ok", ""], 3, [1], None])
+@pytest.mark.parametrize("value", ["", [], [""], ["ok", ""], 3, None, [-1], [[]], [[1], []], [[1, "a"]], [1, [2]], [1.5]])
 def test_bad_embedding_input_is_rejected(value: Any) -> None:
     assert rejected_field(EmbeddingBody, {"model": "m", "input": value}) == {"input"}
 
@@ -165,8 +165,8 @@ def api_param(model: type, body: dict[str, Any]) -> str | None:
     ("model", "body", "param"),
     [
         (ChatCompletionBody, chat(messages=[{"role": "robot", "content": "x"}]), "messages.0.role"),
-        (ChatCompletionBody, chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]), "messages.1.role"),
-        (ChatCompletionBody, chat(messages=[{"role": "user", "content": ["x"]}]), "messages.0.content"),
+        (ChatCompletionBody, chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]), "messages.1.tool_call_id"),
+        (ChatCompletionBody, chat(messages=[{"role": "user", "content": ["x"]}]), "messages.0.content.0"),
         (ChatCompletionBody, chat(messages=[["x"]]), "messages.0"),
         (ChatCompletionBody, chat(messages=[]), "messages"),
         (ChatCompletionBody, chat(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),

@@ -28,12 +28,12 @@ def two_slice_config() -> GatewayConfig:
             {"name": "thr", "kv_cache_memory_bytes": "32MiB"},
         ],
         "models": [
-            {"name": "gen", "source": "/models/gen", "task": "generate", "max_model_len": 128, "buckets": [
+            {"name": "gen", "source": "/models/gen", "task": "generate", "max_model_len": 96, "buckets": [
                 {"max_input_tokens": 32, "batcher": continuous, "slice": "thr"},
                 {"max_input_tokens": 64, "batcher": {**continuous, "kv_cache_memory_fraction": 0.25}, "slice": "proc"},
                 {"max_input_tokens": 96, "batcher": continuous, "slice": "proc"},
             ]},
-            {"name": "emb", "source": "/models/emb", "task": "embed", "max_model_len": 64, "buckets": [
+            {"name": "emb", "source": "/models/emb", "task": "embed", "max_model_len": 16, "buckets": [
                 {"max_input_tokens": 16, "batcher": {"kind": "dynamic"}, "slice": "thr"},
             ]},
         ],

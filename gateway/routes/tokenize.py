@@ -1,0 +1,73 @@
+"""vLLM's tokenizer endpoints: ``POST /tokenize`` and ``POST /detokenize``, for any served model.
+
+Both run the model's tokenizer alone (no bucket, no queue): a client counts a prompt's tokens
+against ``max_model_len`` before sending it, or reads back the text of ids it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from litestar import Controller, Request, post
+
+from gateway.engine import ServedModel
+from gateway.errors import model_not_found
+from gateway.prompts import Piece
+from gateway.router import MAX_INLINE_PROMPT_TOKENS, Router
+from gateway.routes.openai import check_token_ids, parse_body
+from gateway.schemas import DetokenizeBody, TokenizeBody
+
+
+def _served(request: Request[Any, Any, Any], name: str) -> tuple[Router, ServedModel]:
+    """The router and the served model ``name`` (any task). Raises APIError 404 for an unknown one."""
+    router: Router = request.app.state.router
+    served = router.engine.models.get(name)
+    if served is None:
+        raise model_not_found(name)
+    return router, served
+
+
+class TokenizeController(Controller):
+    path = ""
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        """``{count, max_model_len, tokens, token_strs}`` (``token_strs``: ``null`` unless
+        ``return_token_strs``), as vLLM answers.
+
+        Raises:
+            APIError: 400 for a body that fails validation or a model without a chat template
+                (``messages``); 404 for an unknown model.
+        """
+        body = await parse_body(request, TokenizeBody)
+        router, served = _served(request, body.model)
+        encoder = await router.encoder(served)
+        if body.messages is not None:
+            pieces = encoder.chat_pieces(body.messages, served.config.name, body.add_generation_prompt)
+        else:
+            pieces = [Piece(body.prompt or "", is_user_text=True, add_special_tokens=body.add_special_tokens)]
+        if encoder.max_num_tokens(pieces) <= MAX_INLINE_PROMPT_TOKENS:
+            ids = encoder.encode(pieces)
+        else:
+            ids = await asyncio.to_thread(encoder.encode, pieces)
+        token_strs = encoder.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": served.config.max_model_len, "tokens": ids, "token_strs": token_strs}
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        """``{prompt}``: the text of ``tokens``, special tokens included (as vLLM's).
+
+        Raises:
+            APIError: 400 naming ``tokens.<position>`` for an id outside the vocabulary; 404 for
+                an unknown model.
+        """
+        body = await parse_body(request, DetokenizeBody)
+        router, served = _served(request, body.model)
+        encoder = await router.encoder(served)
+        check_token_ids(body.tokens, encoder.vocab_size, "tokens")
+        if len(body.tokens) <= MAX_INLINE_PROMPT_TOKENS:
+            text = encoder.tokenizer.decode(body.tokens)
+        else:
+            text = await asyncio.to_thread(encoder.tokenizer.decode, body.tokens)
+        return {"prompt": text}
