@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import pytest
 import structlog
 
-from gateway import gate
-from gateway.background_gates import GATE_THREAD_NICE, BackgroundGates, GateJob, SliceIdleGuard, lower_thread_priority
+from gateway import gate_process
+from gateway.background_gates import BackgroundGates, GateJob, SliceIdleGuard
+from gateway.gate_process import GATE_NICE, lower_thread_priority
 from models.backends.measure import GateCancelledError, interleaved_times_ms
 
 FIELDS = {"model": "m", "bucket": "le32"}
@@ -145,7 +146,7 @@ def test_a_gate_whose_bucket_was_replaced_before_it_ran_is_dropped_unmeasured(mo
     def must_not_measure(*_: object, **__: object) -> None:
         raise AssertionError("a dropped gate measured")
 
-    monkeypatch.setattr(gate, "run_and_save", must_not_measure)
+    monkeypatch.setattr(gate_process, "measure_in_child", must_not_measure)
     queued, replacement = FakeBucket("le32"), FakeBucket("le32")
     served = SimpleNamespace(draining=False, table=SimpleNamespace(by_name=lambda name: replacement))
     gates = BackgroundGates(SimpleNamespace(models={"m": served}))  # type: ignore[arg-type]
@@ -170,5 +171,5 @@ def test_the_gate_thread_runs_at_the_lowest_priority_and_the_others_keep_theirs(
     thread = threading.Thread(target=gate_thread)
     thread.start()
     thread.join()
-    assert seen == {"returned": GATE_THREAD_NICE, "own": GATE_THREAD_NICE, "child": GATE_THREAD_NICE}
+    assert seen == {"returned": GATE_NICE, "own": GATE_NICE, "child": GATE_NICE}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
