@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from buckets.bucket import Bucket
+from buckets.slices.process import ProcessSlice
 from gateway import gate, gate_process
 from gateway.engine import Engine
 from gateway.errors import ConfigError
@@ -133,12 +134,15 @@ class BackgroundGates:
         self._lock: asyncio.Lock | None = None
 
     def on_bucket(self, model: str, bucket: Bucket) -> None:
-        """Queue ``bucket``'s gate when it is pending (a bucket of a slice in this process)."""
-        if not bucket.device_slice.needs_weights:
+        """Queue ``bucket``'s gate when it is pending; an ``auto`` bucket of a process slice is
+        queued as it is built (its worker says whether its gate is pending when ready, before
+        the gate thread starts) and looked at again when its turn comes."""
+        info = bucket.backend_info
+        remote = isinstance(bucket.device_slice, ProcessSlice)
+        if info.get("gate_state") != GateState.PENDING.value and not (remote and info.get("configured") == "auto"):
             return
-        if bucket.backend_info.get("gate_state") != GateState.PENDING.value:
-            return
-        log.info("gate_pending", model=model, bucket=bucket.name, running=bucket.backend_info.get("running"))
+        if not remote:
+            log.info("gate_pending", model=model, bucket=bucket.name, running=info.get("running"))
         self._queue.put(GateJob(model, bucket))
 
     def start(self, loop: asyncio.AbstractEventLoop, lock: asyncio.Lock) -> None:
@@ -173,6 +177,10 @@ class BackgroundGates:
             self._drop(job, "its bucket was replaced before the gate ran")
             return
         info = job.bucket.backend_info
+        if info.get("gate_state") != GateState.PENDING.value:
+            return  # a process slice's worker found a current record
+        if isinstance(job.bucket.device_slice, ProcessSlice):
+            log.info("gate_pending", model=job.model, bucket=job.bucket.name, running=info.get("running"))
         info["gate_state"] = GateState.RUNNING.value
         record = gate_process.measure_in_child(self._task(job), self._guard(job), self._stopping)
         chosen = gate.chosen_backend(record, self.engine.config.gate)
@@ -209,10 +217,12 @@ class BackgroundGates:
             return [b for b in tables + list(self.engine.retiring) if b.device_slice is device_slice]
 
         def is_idle() -> bool:
-            return all(b.is_idle() for b in on_slice())
+            in_flight = device_slice.num_in_flight if isinstance(device_slice, ProcessSlice) else 0
+            return in_flight == 0 and all(b.is_idle() for b in on_slice())
 
         def activity() -> int:
-            return sum(b.stats().num_steps for b in on_slice())
+            submitted = device_slice.num_submitted if isinstance(device_slice, ProcessSlice) else 0
+            return submitted + sum(b.stats().num_steps for b in on_slice())
 
         return SliceIdleGuard(is_idle, activity, self._stopping, {"model": job.model, "bucket": job.bucket.name})
 
@@ -226,6 +236,22 @@ class BackgroundGates:
         log.info("gate_result_dropped", model=job.model, bucket=job.bucket.name, reason=reason)
         job.bucket.backend_info["gate_state"] = GateState.DROPPED.value
 
+    def _rebuild(self, job: GateJob) -> Any:
+        """Rebuild ``job``'s bucket with the record now current and return the backend it runs:
+        a process slice's worker rebuilds it under the same key; else a new bucket is swapped
+        into the table and the old one retired (drained). Blocking.
+
+        Raises:
+            ConfigError, KeyError: from :meth:`Engine.rebuild_bucket`.
+            RuntimeError, TimeoutError: from :meth:`ProcessSlice.rebuild`.
+        """
+        device_slice = job.bucket.device_slice
+        if isinstance(device_slice, ProcessSlice):
+            return device_slice.rebuild(job.bucket.key).get("running")
+        old, new = self.engine.rebuild_bucket(job.model, job.bucket.name)
+        self.engine.retire([old], self.engine.config.drain_timeout_s)
+        return new.backend_info.get("running")
+
     async def _switch(self, job: GateJob, record: dict[str, Any]) -> None:
         """Under the config lock: rebuild ``job``'s bucket with the record now current, swap it
         in, retire the old one; log ``backend_switched`` when the backend changed."""
@@ -237,13 +263,11 @@ class BackgroundGates:
             before = job.bucket.backend_info.get("running")
             started = time.perf_counter()
             try:
-                old, new = await asyncio.to_thread(self.engine.rebuild_bucket, job.model, job.bucket.name)
-            except (ConfigError, KeyError) as exc:
+                after = await asyncio.to_thread(self._rebuild, job)
+            except (ConfigError, KeyError, RuntimeError, TimeoutError) as exc:
                 log.warning("gate_switch_failed", model=job.model, bucket=job.bucket.name, error=str(exc), running=before)
                 return
-            self.engine.retire([old], self.engine.config.drain_timeout_s)
         build_s = round(time.perf_counter() - started, 3)
-        after = new.backend_info.get("running")
         if after != before:
             speedups = {v.backend: v.speedup for v in gate.verdicts(record, self.engine.config.gate)}
             speedup = speedups.get(str(after))
