@@ -256,3 +256,67 @@ def test_a_killed_gate_child_leaves_its_bucket_on_eager_and_the_gateways_stop_en
         assert process_gone(second["pid"]), "the gate's child outlived the gateway"
         assert [e["pid"] for e in events(log_path, "gate_child_ended")] == [first["pid"], second["pid"]]
         assert not events(log_path, "backend_switched")
+
+
+def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any
+) -> None:
+    from litestar.testing import AsyncTestClient
+
+    from gateway.app import create_app
+
+    data = config_data(fresh_cache_dir(tmp_path))
+    data["slices"][0]["isolation"] = "process"
+    config = parse_config(data)
+    apps: list[Any] = []
+    gate_may_finish = asyncio.Event()
+
+    def injected_gate(task: GateTask, guard: Any, stopping: Any) -> dict[str, Any]:
+        """The gate child's part, in place, once the test has looked at the bucket on eager."""
+        wait_for(gate_may_finish.is_set, GATE_TIMEOUT_S, "the test looked at the bucket on eager")
+        guard.wait_until_idle()
+        served = apps[0].state.engine.models[task.model["name"]]
+        bucket = next(b for b in served.config.buckets if b.bucket_name == task.bucket_name)
+        gate_config = GateConfig.model_validate(task.gate)
+        return winning_record(served.loaded, served.config, bucket, gate_config, Path(task.cache_dir), task.num_threads)
+
+    monkeypatch.setattr(gate_process, "measure_in_child", injected_gate)
+    reference = hf_embeddings(hf_encoder, TEXTS)
+
+    async def embed_all(client: Any, statuses: list[int]) -> None:
+        batch = [client.post("/v1/embeddings", json={"model": EMBED_MODEL, "input": [t]}) for t in TEXTS * 2]
+        for response, text in zip(await asyncio.gather(*batch), TEXTS * 2):
+            statuses.append(response.status_code)
+            assert response.status_code == 200, response.text
+            assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
+
+    async def scenario(logs: list[dict[str, Any]]) -> list[int]:
+        statuses: list[int] = []
+        app = create_app(config)
+        apps.append(app)
+        async with AsyncTestClient(app, timeout=120) as client:
+            bucket = app.state.engine.models[EMBED_MODEL].table.buckets[0]
+            assert bucket.device_slice.isolation == "process"
+            assert bucket.backend_info["running"] == "eager" and bucket.backend_info["gate_state"] in {"pending", "running"}
+            health = await client.get("/health", params={"verbose": "true"})
+            assert health.json()["gates"][0]["state"] in {"pending", "running"}
+            await embed_all(client, statuses)  # served on eager while the gate is pending
+            gate_may_finish.set()
+            deadline = time.monotonic() + GATE_TIMEOUT_S
+            while "backend_switched" not in {e["event"] for e in logs}:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
+                await embed_all(client, statuses)
+            await embed_all(client, statuses)  # served by the new batcher
+            assert app.state.engine.models[EMBED_MODEL].table.buckets == [bucket]  # the same bucket, rebuilt in the worker
+            assert (bucket.backend_info["running"], bucket.backend_info["gate_state"]) == ("onnx-fp32", "done")
+            health = await client.get("/health", params={"verbose": "true"})
+            assert health.json()["gates"] == [{"model": EMBED_MODEL, "bucket": "le32", "state": "done"}]
+        return statuses
+
+    with structlog.testing.capture_logs() as logs:
+        statuses = asyncio.run(scenario(logs))
+    assert statuses and set(statuses) == {200}
+    switched = [e for e in logs if e["event"] == "backend_switched"]
+    assert len(switched) == 1 and (switched[0]["from"], switched[0]["to"]) == ("eager", "onnx-fp32")
+    assert not [e for e in logs if e["event"] in {"gate_failed", "gate_switch_failed", "worker_crashed"}]
