@@ -7,8 +7,9 @@
 - ``child``: in a child process of the gateway, as it runs now.
 
 Each run starts a fresh gateway with an empty cache dir (so the gate exports and quantizes
-again), sends ``--rate`` single-text embedding requests a second (open loop: a slow answer does
-not delay the next request) and keeps the latency of each request sent while the gate is pending
+again), sends bursts of ``--burst`` single-text embedding requests every ``--interval-s`` (open
+loop: a slow answer does not delay the next burst; the gaps between bursts let the gate's timed
+rounds run) and keeps the latency of each request sent while the gate is pending
 or running (``none``: for ``--duration-s``). The ways alternate, ``--repeats`` times, so a drift
 in the machine's load is shared; the table prints p50/p90/p99 per run and, per way, the median
 and the spread (min-max) of each percentile over the repeats.
@@ -44,7 +45,8 @@ STATE_POLL_S = 0.5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each way (default 2)")
-    parser.add_argument("--rate", type=float, default=10.0, help="requests a second (default 10)")
+    parser.add_argument("--burst", type=int, default=8, help="requests sent at once, each one text (default 8)")
+    parser.add_argument("--interval-s", type=float, default=1.5, help="seconds between bursts (default 1.5)")
     parser.add_argument("--duration-s", type=float, default=40.0, help="how long the no-gate runs send (default 40)")
     parser.add_argument("--max-gate-s", type=float, default=600.0, help="stop a gated run after this long (default 600)")
     parser.add_argument("--candidates", default="onnx-fp32,onnx-int8", help="the gate's candidates (default onnx-fp32,onnx-int8)")
@@ -96,8 +98,9 @@ def gate_state(client: httpx.Client, url: str) -> str:
     return str(gates[0]["state"]) if gates else "none"
 
 
-async def steady_load(url: str, rate: float, keep_going: Any) -> list[float]:
-    """Send ``rate`` requests a second while ``keep_going()``; the latencies in ms of those sent then."""
+async def steady_load(url: str, burst: int, interval_s: float, keep_going: Any) -> list[float]:
+    """Send ``burst`` requests at once every ``interval_s`` while ``keep_going()``; the latencies
+    in ms of those sent then."""
     latencies: list[float] = []
 
     async def one(client: httpx.AsyncClient) -> None:
@@ -110,8 +113,8 @@ async def steady_load(url: str, rate: float, keep_going: Any) -> list[float]:
         tasks = []
         next_at = time.perf_counter()
         while await asyncio.to_thread(keep_going):
-            tasks.append(asyncio.create_task(one(client)))
-            next_at += 1 / rate
+            tasks.extend(asyncio.create_task(one(client)) for _ in range(burst))
+            next_at += interval_s
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         await asyncio.gather(*tasks)
     return latencies
@@ -145,12 +148,16 @@ def one_run(way: str, args: argparse.Namespace) -> dict[str, Any]:
                         if time.monotonic() - looked["at"] >= STATE_POLL_S:
                             looked.update(at=time.monotonic(), running=gate_state(client, url) in {"pending", "running"})
                         return bool(looked["running"]) and time.monotonic() - started < args.max_gate_s
-                latencies = asyncio.run(steady_load(url, args.rate, keep_going))
+                latencies = asyncio.run(steady_load(url, args.burst, args.interval_s, keep_going))
                 return {"way": way, "latencies_ms": latencies, "seconds": time.monotonic() - started,
                         "state": gate_state(client, url)}
         finally:
             server.terminate()
-            server.wait(60)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
 
 
 def wait_ready(client: httpx.Client, url: str, server: subprocess.Popen[bytes]) -> None:

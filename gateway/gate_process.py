@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -232,7 +233,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
     def watch() -> None:
         while os.getppid() == parent_pid:
-            threading.Event().wait(PARENT_WATCH_S)
+            time.sleep(PARENT_WATCH_S)
         os._exit(1)
 
     threading.Thread(target=watch, name="gate-child-parent-watch", daemon=True).start()
