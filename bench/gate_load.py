@@ -10,7 +10,9 @@ Each run starts a fresh gateway with an empty cache dir (so the gate exports and
 again), sends bursts of ``--burst`` single-text embedding requests every ``--interval-s`` (open
 loop: a slow answer does not delay the next burst; the gaps between bursts let the gate's timed
 rounds run) and keeps the latency of each request sent while the gate is pending
-or running (``none``: for ``--duration-s``). The ways alternate, ``--repeats`` times, so a drift
+or running (``none``: for ``--duration-s``), then the same load for ``--after-s`` on the same
+gateway: the ratio of the two p50s (during over after) is the gate's cost with the machine's
+drift, as on a machine shared with other work, mostly cancelled. The ways alternate, ``--repeats`` times, so a drift
 in the machine's load is shared; the table prints p50/p90/p99 per run and, per way, the median
 and the spread (min-max) of each percentile over the repeats.
 """
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default="onnx-fp32,onnx-int8", help="the gate's candidates (default onnx-fp32,onnx-int8)")
     parser.add_argument("--gate-repeats", type=int, default=5, help="the gate's timed repeats (default 5)")
     parser.add_argument("--num-threads", type=int, default=2, help="the slice's threads (default 2)")
+    parser.add_argument("--after-s", type=float, default=20.0, help="the same load after the gate, for the ratio (default 20)")
     parser.add_argument("--log-dir", type=Path, help="keep each run's gateway log here (default: not kept)")
 
 
@@ -158,8 +161,11 @@ def one_run(way: str, args: argparse.Namespace, run_no: int) -> dict[str, Any]:
                             looked.update(at=time.monotonic(), running=gate_state(client, url) in {"pending", "running"})
                         return bool(looked["running"]) and time.monotonic() - started < args.max_gate_s
                 latencies = asyncio.run(steady_load(url, args.burst, args.interval_s, keep_going))
-                return {"way": way, "latencies_ms": latencies, "seconds": time.monotonic() - started,
-                        "state": gate_state(client, url)}
+                seconds, state = time.monotonic() - started, gate_state(client, url)
+                after_from = time.monotonic()
+                after = asyncio.run(steady_load(url, args.burst, args.interval_s,
+                                                lambda: time.monotonic() - after_from < args.after_s))
+                return {"way": way, "latencies_ms": latencies, "after_ms": after, "seconds": seconds, "state": state}
         finally:
             server.terminate()
             try:
@@ -184,21 +190,26 @@ def wait_ready(client: httpx.Client, url: str, server: subprocess.Popen[bytes]) 
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
-    """Per run and per way (median and min-max over the repeats) p50/p90/p99 in ms."""
-    lines = [f"{'way':8s} {'run':>4s} {'n':>5s} {'seconds':>8s} {'p50 ms':>9s} {'p90 ms':>9s} {'p99 ms':>9s}  gate"]
+    """Per run and per way (median and min-max over the repeats) p50/p90/p99 in ms, and the p50
+    during the gate over the p50 after it."""
+    lines = [f"{'way':8s} {'run':>4s} {'n':>5s} {'seconds':>8s} {'p50 ms':>9s} {'p90 ms':>9s} {'p99 ms':>9s} "
+             f"{'after p50':>10s} {'p50 ratio':>10s}  gate"]
     for i, run in enumerate(runs):
         p = [percentile(run["latencies_ms"], q) for q in (50, 90, 99)]
-        run["p"] = p
+        after = percentile(run["after_ms"], 50)
+        run["p"] = p + [p[0] / after]
         lines.append(f"{run['way']:8s} {i:4d} {len(run['latencies_ms']):5d} {run['seconds']:8.1f} "
-                     f"{p[0]:9.1f} {p[1]:9.1f} {p[2]:9.1f}  {run['state']}")
+                     f"{p[0]:9.1f} {p[1]:9.1f} {p[2]:9.1f} {after:10.1f} {p[0] / after:10.2f}  {run['state']}")
     lines.append("")
-    lines.append(f"{'way':8s} {'p50 median (min-max)':>24s} {'p90 median (min-max)':>24s} {'p99 median (min-max)':>24s}")
+    lines.append(f"{'way':8s} {'p50 median (min-max)':>24s} {'p90 median (min-max)':>24s} {'p99 median (min-max)':>24s} "
+                 f"{'p50 during/after':>24s}")
     for way in WAYS:
         mine = [r["p"] for r in runs if r["way"] == way]
         cells = []
-        for q in range(3):
+        for q in range(4):
             values = [p[q] for p in mine]
-            cells.append(f"{statistics.median(values):7.1f} ({min(values):.0f}-{max(values):.0f})")
+            digits = 2 if q == 3 else 0
+            cells.append(f"{statistics.median(values):7.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})")
         lines.append(f"{way:8s} " + " ".join(f"{c:>24s}" for c in cells))
     return "\n".join(lines)
 
