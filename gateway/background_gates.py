@@ -3,22 +3,26 @@ the order the buckets were built.
 
 An ``auto`` bucket without a current gate record is built on eager with its gate ``pending``
 (:func:`gateway.runners.backend_label`), and the gateway is ready without waiting for it. The
-gate thread then measures it, only while the bucket's slice serves nothing
-(:class:`SliceIdleGuard`: it pauses when work arrives, resumes after, and a sample during which
-work arrived is measured again), saves the record, and when the record enables a backend other
-than what the bucket runs, switches the bucket to it between batches through the path of a live
-reconfiguration: a new bucket built with the now current record, swapped into the model's table
-in one reference assignment, the old one closed and retired (drained, nothing dropped), under
-the lock the admin API and the SLO tuner take. One ``backend_switched`` event says so.
+gate thread then runs its gate in a child process (:mod:`gateway.gate_process`: the candidate
+builds, which cannot pause, hold neither the gateway's GIL nor its priority), answering the
+child's idle guard with :class:`SliceIdleGuard`: it measures only while the bucket's slice
+serves nothing (it pauses when work arrives, resumes after, and a sample during which work
+arrived is measured again). The child saves the record; when the record enables a backend other
+than what the bucket runs, the gateway switches the bucket to it between batches through the
+path of a live reconfiguration: a new bucket built with the now current record (from the files
+the child cached), swapped into the model's table in one reference assignment, the old one
+closed and retired (drained, nothing dropped), under the lock the admin API and the SLO tuner
+take. One ``backend_switched`` event says so, with ``switch_build_s``, what the build in the
+gateway cost. A child that fails, crashes or is killed leaves its bucket on eager
+(``gate_failed``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
+import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,9 +32,11 @@ from typing import Any
 import structlog
 
 from buckets.bucket import Bucket
-from gateway import gate
+from buckets.slices.process import ProcessSlice
+from gateway import gate, gate_process
 from gateway.engine import Engine
 from gateway.errors import ConfigError
+from gateway.gate_process import GateTask, lower_thread_priority
 from gateway.runners import GateState
 from models.backends.measure import GateCancelledError
 
@@ -39,30 +45,6 @@ log = structlog.get_logger(__name__)
 IDLE_POLL_S = 0.05
 STOP_JOIN_S = 5.0
 DISCARD_LOG_INTERVAL_S = 10.0
-# The gate thread's nice value: the lowest CPU priority there is.
-GATE_THREAD_NICE = 19
-
-
-def lower_thread_priority(nice: int = GATE_THREAD_NICE) -> int | None:
-    """Give the calling thread the CPU priority ``nice`` and return it (``None`` where it cannot
-    be set: not Linux, or refused).
-
-    A gate's candidate builds (an ONNX export, quantization, ``torch.compile``) cannot pause for
-    requests the way its timed rounds do, and they compete with the slices' workers for the
-    cores. Linux schedules each thread by its own nice value (``setpriority`` on the thread's
-    id), and threads inherit it when they are created: the OpenMP team torch starts for this
-    thread and the ONNX Runtime sessions the gate builds here run at the same low priority,
-    while the slices' workers keep theirs. Timed rounds run only while the slice is idle, so the
-    figures are not skewed by it.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    thread_id = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread_id, nice)
-    except OSError:
-        return None
-    return os.getpriority(os.PRIO_PROCESS, thread_id)
 
 
 class SliceIdleGuard:
@@ -141,7 +123,7 @@ class BackgroundGates:
     """The gateway's gate thread. :meth:`on_bucket` (an engine bucket hook) queues each bucket
     whose gate is ``pending``; :meth:`start` starts the thread (after the gateway is ready) with
     the event loop and the config lock a switch takes; :meth:`stop` ends it (a gate waiting for
-    an idle slice stops at once; one in a backend build finishes it, within ``STOP_JOIN_S``)."""
+    an idle slice stops at once; its child process is ended, within ``STOP_JOIN_S``)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -152,12 +134,15 @@ class BackgroundGates:
         self._lock: asyncio.Lock | None = None
 
     def on_bucket(self, model: str, bucket: Bucket) -> None:
-        """Queue ``bucket``'s gate when it is pending (a bucket of a slice in this process)."""
-        if not bucket.device_slice.needs_weights:
+        """Queue ``bucket``'s gate when it is pending; an ``auto`` bucket of a process slice is
+        queued as it is built (its worker says whether its gate is pending when ready, before
+        the gate thread starts) and looked at again when its turn comes."""
+        info = bucket.backend_info
+        remote = isinstance(bucket.device_slice, ProcessSlice)
+        if info.get("gate_state") != GateState.PENDING.value and not (remote and info.get("configured") == "auto"):
             return
-        if bucket.backend_info.get("gate_state") != GateState.PENDING.value:
-            return
-        log.info("gate_pending", model=model, bucket=bucket.name, running=bucket.backend_info.get("running"))
+        if not remote:
+            log.info("gate_pending", model=model, bucket=bucket.name, running=info.get("running"))
         self._queue.put(GateJob(model, bucket))
 
     def start(self, loop: asyncio.AbstractEventLoop, lock: asyncio.Lock) -> None:
@@ -191,15 +176,13 @@ class BackgroundGates:
         if not self._current(job):
             self._drop(job, "its bucket was replaced before the gate ran")
             return
-        served = self.engine.models[job.model]
-        config = next(b for b in served.config.buckets if b.bucket_name == job.bucket.name)
         info = job.bucket.backend_info
+        if info.get("gate_state") != GateState.PENDING.value:
+            return  # a process slice's worker found a current record
+        if isinstance(job.bucket.device_slice, ProcessSlice):
+            log.info("gate_pending", model=job.model, bucket=job.bucket.name, running=info.get("running"))
         info["gate_state"] = GateState.RUNNING.value
-        guard = self._guard(job)
-        record = gate.run_and_save(
-            served.loaded, served.config, config, self.engine.config.gate, self.engine.cache_dir,
-            job.bucket.device_slice.num_threads, reason="no current gate record (background)", guard=guard,
-        )
+        record = gate_process.measure_in_child(self._task(job), self._guard(job), self._stopping)
         chosen = gate.chosen_backend(record, self.engine.config.gate)
         if chosen == info.get("running"):
             info.update(gate=gate.summary(record, self.engine.config.gate), gate_state=GateState.DONE.value)
@@ -214,6 +197,18 @@ class BackgroundGates:
                 continue
         future.cancel()
 
+    def _task(self, job: GateJob) -> GateTask:
+        """What the gate's child process needs to gate ``job``'s bucket on its slice's device."""
+        served = self.engine.models[job.model]
+        device_slice = job.bucket.device_slice
+        return GateTask(
+            model=served.config.model_dump(mode="json"), bucket_name=job.bucket.name,
+            gate=self.engine.config.gate.model_dump(mode="json"), cache_dir=str(self.engine.cache_dir),
+            device=device_slice.device, num_threads=device_slice.num_threads,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            reason="no current gate record (background)",
+        )
+
     def _guard(self, job: GateJob) -> SliceIdleGuard:
         device_slice = job.bucket.device_slice
 
@@ -222,10 +217,12 @@ class BackgroundGates:
             return [b for b in tables + list(self.engine.retiring) if b.device_slice is device_slice]
 
         def is_idle() -> bool:
-            return all(b.is_idle() for b in on_slice())
+            in_flight = device_slice.num_in_flight if isinstance(device_slice, ProcessSlice) else 0
+            return in_flight == 0 and all(b.is_idle() for b in on_slice())
 
         def activity() -> int:
-            return sum(b.stats().num_steps for b in on_slice())
+            submitted = device_slice.num_submitted if isinstance(device_slice, ProcessSlice) else 0
+            return submitted + sum(b.stats().num_steps for b in on_slice())
 
         return SliceIdleGuard(is_idle, activity, self._stopping, {"model": job.model, "bucket": job.bucket.name})
 
@@ -239,6 +236,22 @@ class BackgroundGates:
         log.info("gate_result_dropped", model=job.model, bucket=job.bucket.name, reason=reason)
         job.bucket.backend_info["gate_state"] = GateState.DROPPED.value
 
+    def _rebuild(self, job: GateJob) -> Any:
+        """Rebuild ``job``'s bucket with the record now current and return the backend it runs:
+        a process slice's worker rebuilds it under the same key; else a new bucket is swapped
+        into the table and the old one retired (drained). Blocking.
+
+        Raises:
+            ConfigError, KeyError: from :meth:`Engine.rebuild_bucket`.
+            RuntimeError, TimeoutError: from :meth:`ProcessSlice.rebuild`.
+        """
+        device_slice = job.bucket.device_slice
+        if isinstance(device_slice, ProcessSlice):
+            return device_slice.rebuild(job.bucket.key).get("running")
+        old, new = self.engine.rebuild_bucket(job.model, job.bucket.name)
+        self.engine.retire([old], self.engine.config.drain_timeout_s)
+        return new.backend_info.get("running")
+
     async def _switch(self, job: GateJob, record: dict[str, Any]) -> None:
         """Under the config lock: rebuild ``job``'s bucket with the record now current, swap it
         in, retire the old one; log ``backend_switched`` when the backend changed."""
@@ -248,19 +261,19 @@ class BackgroundGates:
                 self._drop(job, "its bucket was replaced while the gate ran")
                 return
             before = job.bucket.backend_info.get("running")
+            started = time.perf_counter()
             try:
-                old, new = await asyncio.to_thread(self.engine.rebuild_bucket, job.model, job.bucket.name)
-            except (ConfigError, KeyError) as exc:
+                after = await asyncio.to_thread(self._rebuild, job)
+            except (ConfigError, KeyError, RuntimeError, TimeoutError) as exc:
                 log.warning("gate_switch_failed", model=job.model, bucket=job.bucket.name, error=str(exc), running=before)
                 return
-            self.engine.retire([old], self.engine.config.drain_timeout_s)
-        after = new.backend_info.get("running")
+        build_s = round(time.perf_counter() - started, 3)
         if after != before:
             speedups = {v.backend: v.speedup for v in gate.verdicts(record, self.engine.config.gate)}
             speedup = speedups.get(str(after))
             log.info(
                 "backend_switched", model=job.model, bucket=job.bucket.name, to=after,
-                speedup=None if speedup is None else round(speedup, 3), **{"from": before},
+                speedup=None if speedup is None else round(speedup, 3), switch_build_s=build_s, **{"from": before},
             )
 
 

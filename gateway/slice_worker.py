@@ -7,19 +7,24 @@ thread slice, and the buckets placed on it): it loads those models with their we
 builds their buckets with the same :mod:`gateway.build` code as the gateway, so both sides
 agree on every bucket's KV capacity; then a :class:`~buckets.slices.host.SliceHost` serves
 them over the pipe. The gateway loads only a tokenizer and the config of a model whose
-buckets all run in worker processes.
+buckets all run in worker processes. An ``auto`` bucket without a current gate record is built on
+eager, its gate ``pending``: the gateway's background gates run it (in a child process) and
+then have the worker rebuild the bucket (:func:`rebuild_bucket`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import structlog
 
 from buckets.slices.host import SliceHost
+from buckets.slices.slice import BucketKey
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.logging import configure_logging
@@ -45,6 +50,16 @@ def worker_config(config: GatewayConfig, slice_name: str) -> GatewayConfig:
     return GatewayConfig.model_validate(data)
 
 
+def rebuild_bucket(engine: Engine, key: BucketKey) -> tuple[BucketKey, dict[str, Any], Callable[[], None]]:
+    """The worker's :data:`~buckets.slices.host.Rebuild`: rebuild bucket ``key`` through the
+    engine's live-reconfiguration path (:meth:`Engine.rebuild_bucket`: its backend chosen again
+    from the gate record now current); the old bucket is retired (drained) when the host calls
+    back. Blocking (a backend is built and warmed)."""
+    model, bucket_name, _ = key
+    old, new = engine.rebuild_bucket(model, bucket_name)
+    return new.key, new.backend_info, functools.partial(engine.retire, [old], engine.config.drain_timeout_s)
+
+
 def run_slice_worker(conn: Connection, config_data: dict[str, Any], slice_name: str, log_level: str) -> None:
     """A slice worker process's main: load the slice's models, build their buckets, serve them
     over ``conn`` until the gateway says stop or goes away, then fail what is left."""
@@ -54,10 +69,10 @@ def run_slice_worker(conn: Connection, config_data: dict[str, Any], slice_name: 
         os.environ["CUDA_VISIBLE_DEVICES"] = device
     configure_logging(log_level)
     structlog.contextvars.bind_contextvars(slice_worker=slice_name)
-    engine = Engine(worker_config(GatewayConfig.model_validate(config_data), slice_name))
+    engine = Engine(worker_config(GatewayConfig.model_validate(config_data), slice_name), defer_gates=True)
     engine.start()
     keys = [bucket.key for served in engine.models.values() for bucket in served.table.buckets]
-    host = SliceHost(conn, engine.slices[slice_name], keys)
+    host = SliceHost(conn, engine.slices[slice_name], keys, rebuild=functools.partial(rebuild_bucket, engine))
     log.info("slice_worker_ready", slice=slice_name, buckets=[f"{model}/{bucket}" for model, bucket, _ in keys])
     try:
         host.serve()

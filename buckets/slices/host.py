@@ -30,6 +30,10 @@ log = structlog.get_logger(__name__)
 STATS_INTERVAL_S = 0.05
 STATS_REFRESH_S = 1.0
 
+# Rebuild the batcher now serving a bucket (its local key given); returns the new batcher's local
+# key, its backend info, and what retires the old one once new requests go to the new one.
+Rebuild = Callable[[BucketKey], tuple[BucketKey, dict[str, Any], Callable[[], None]]]
+
 
 class SliceHost:
     """Serves the buckets ``keys`` (``(model name, bucket name)``) of ``local_slice`` (they are
@@ -38,6 +42,10 @@ class SliceHost:
     Call :meth:`serve` on the process's main thread; it returns when the gateway says stop or
     its end of the pipe closes. Then stop the slice (which fails what is queued: those events
     still go out) and call :meth:`close`.
+
+    ``rebuild`` serves the gateway's ``("rebuild", key)`` on a thread of its own: once the new
+    batcher is built, requests for ``key`` go to it (the gateway's key stays; the host maps it to
+    the batcher's local key), and the old one drains what it holds.
     """
 
     def __init__(
@@ -47,10 +55,14 @@ class SliceHost:
         keys: list[BucketKey],
         stats_interval_s: float = STATS_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        rebuild: Rebuild | None = None,
     ):
         self.conn = conn
         self.local_slice = local_slice
         self.keys = keys
+        self._rebuild = rebuild
+        self._local: dict[BucketKey, BucketKey] = {key: key for key in keys}  # the gateway's key -> the batcher's
+        self._local_lock = threading.Lock()
         self.stats_interval_s = stats_interval_s
         self.clock = clock
         self._requests: dict[int, Request] = {}
@@ -103,17 +115,37 @@ class SliceHost:
             if request is not None:
                 request.cancel(message[2])
         elif kind == "settings":
-            self.local_slice.update_settings(message[1], message[2])
+            self.local_slice.update_settings(self._local[message[1]], message[2])
+        elif kind == "rebuild":
+            threading.Thread(target=self._rebuild_bucket, args=(message[1],), name="slice-host-rebuild", daemon=True).start()
+
+    def _rebuild_bucket(self, key: BucketKey) -> None:
+        """Build a new batcher for the gateway's bucket ``key``, send new requests to it, retire
+        the old one, and answer ``("rebuilt", ...)``."""
+        try:
+            if self._rebuild is None or key not in self._local:
+                raise KeyError(f"no bucket {key} to rebuild in this worker")
+            new_key, info, retire_old = self._rebuild(self._local[key])
+            self.local_slice.add_batch_observer(new_key, self._batch_reporter(key))
+            with self._local_lock:
+                self._local[key] = new_key
+            retire_old()
+        except Exception as exc:  # the bucket keeps its batcher; the gateway is told why
+            log.exception("slice_host_rebuild_failed", bucket=list(key))
+            self._outbox.put(("rebuilt", key, None, f"{type(exc).__name__}: {exc}"))
+            return
+        self._outbox.put(("rebuilt", key, dict(info), None))
 
     def _submit(self, key: BucketKey, wire: dict[str, Any]) -> None:
         request_no = wire["request_no"]
         request = decode_request(wire, lambda event: self._emit(request_no, request, event))
         request.on_dequeue = lambda: self._outbox.put(("dequeued", request_no, dict(request.timeline)))
-        if key not in self.keys:
+        if key not in self._local:
             request.emit(ErrorEvent(BatchFailedError(f"no bucket {key} in this worker")))
             return
         self._requests[request_no] = request
-        self.local_slice.submit(key, request)
+        with self._local_lock:  # a rebuild switches the key between two submits, never during one
+            self.local_slice.submit(self._local[key], request)
 
     def _emit(self, request_no: int, request: Request, event: RequestEvent) -> None:
         """The sink of a worker-side request (the slice's worker thread): queue the event with the
@@ -137,7 +169,9 @@ class SliceHost:
         last_sent = 0.0
         while True:
             closing = self._closed.wait(self.stats_interval_s)
-            snapshot = {key: encode_stats(self.local_slice.stats(key)) for key in self.keys}
+            with self._local_lock:
+                local = dict(self._local)
+            snapshot = {key: encode_stats(self.local_slice.stats(local[key])) for key in self.keys}
             now = self.clock()
             if closing or snapshot != last or now - last_sent >= STATS_REFRESH_S:
                 self._outbox.put(("stats", snapshot, self.local_slice.busy_s, self.local_slice.busy_ratio()))

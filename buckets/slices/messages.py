@@ -7,12 +7,14 @@ class name and a message and come back as the :mod:`buckets.errors` class of tha
 
 Gateway -> worker:
     ``("submit", key, wire_request)``, ``("cancel", request_no, reason)``,
-    ``("settings", key, settings)``, ``("stop",)``.
+    ``("settings", key, settings)``, ``("rebuild", key)`` (build the bucket's batcher again, its
+    backend chosen again, under the same key), ``("stop",)``.
 Worker -> gateway:
     ``("ready", pid, {key: backend_info})``, ``("dequeued", request_no, timeline)``,
     ``("event", request_no, wire_event, timeline, batches)`` (``batches`` only on a final event),
     ``("batch", key, num_seqs, num_tokens, num_padding_tokens)``,
-    ``("stats", {key: stats fields}, busy_s, busy_ratio)``.
+    ``("stats", {key: stats fields}, busy_s, busy_ratio)``,
+    ``("rebuilt", key, backend_info, None)`` or ``("rebuilt", key, None, error)``.
 
 A ``key`` is ``(model name, bucket name, layout number)``; ``request_no`` is the gateway's number for one
 request in flight (unique for the gateway process's life). Times are ``time.monotonic()``

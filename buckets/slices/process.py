@@ -21,10 +21,7 @@ it keeps dying) until :meth:`stop`.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import threading
-import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -33,8 +30,9 @@ import structlog
 from buckets.errors import ShuttingDownError, SliceUnavailableError, WorkerCrashedError
 from buckets.request import ErrorEvent, Request
 from buckets.slices.messages import Message, decode_event, decode_stats, encode_request, is_final
+from buckets.slices.remote import InFlight, PendingRebuilds, RemoteBucket
 from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState, check_fixed_settings
-from buckets.slices.worker import WorkerProcess
+from buckets.slices.worker import WorkerProcess, spawn
 from buckets.stats import BatchObserver, BucketStats, Counters
 
 log = structlog.get_logger(__name__)
@@ -43,24 +41,7 @@ START_TIMEOUT_S = 900.0
 RESTART_BACKOFF_S = 0.2  # doubled after each worker that dies before it is ready, up to the max
 MAX_RESTART_BACKOFF_S = 30.0
 RETRY_AFTER_S = 5  # what a client is told while the worker restarts
-
-
-@dataclass
-class _InFlight:
-    key: BucketKey
-    request: Request
-
-
-@dataclass
-class _RemoteBucket:
-    """What the gateway knows of one bucket run by the worker; written by this slice alone
-    (settings on the caller's thread, stats and info on the reader thread)."""
-
-    kind: str
-    settings: BatcherSettings
-    backend_info: dict[str, Any]
-    stats: BucketStats
-    observers: list[BatchObserver]
+REBUILD_TIMEOUT_S = 900.0
 
 
 class ProcessSlice:
@@ -81,13 +62,8 @@ class ProcessSlice:
     needs_weights = False  # the worker loads the weights; the gateway tokenizes only
 
     def __init__(
-        self,
-        name: str,
-        device: str,
-        num_threads: int,
-        target: Callable[..., None],
-        worker_args: Callable[[], tuple[Any, ...]],
-        start_timeout_s: float = START_TIMEOUT_S,
+        self, name: str, device: str, num_threads: int, target: Callable[..., None],
+        worker_args: Callable[[], tuple[Any, ...]], start_timeout_s: float = START_TIMEOUT_S,
     ):
         self.name = name
         self.device = device
@@ -97,8 +73,8 @@ class ProcessSlice:
         self.num_restarts = 0
         self._target = target
         self._worker_args = worker_args
-        self._buckets: dict[BucketKey, _RemoteBucket] = {}
-        self._in_flight: dict[int, _InFlight] = {}
+        self._buckets: dict[BucketKey, RemoteBucket] = {}
+        self._in_flight: dict[int, InFlight] = {}
         self._request_nos: dict[int, int] = {}  # id(request) -> its number, while in flight
         self._lock = threading.Lock()
         self._worker: WorkerProcess | None = None
@@ -108,13 +84,15 @@ class ProcessSlice:
         self._busy_s_before = 0.0  # seconds stepped by workers gone
         self._busy_s = 0.0
         self._busy_ratio = 0.0
+        self._rebuilds = PendingRebuilds()
+        self.num_submitted = 0  # requests sent to workers so far (a gate's idle guard watches it)
 
     # -- the engine's side -------------------------------------------------------------------
 
     def attach(self, key: BucketKey, spec: BucketSpec) -> None:
         """Know bucket ``key`` (the worker builds its batcher; ``spec.make_batcher`` is not called)."""
         stats = Counters().snapshot(spec.kind, num_waiting=0, num_running=0)
-        self._buckets[key] = _RemoteBucket(spec.kind, spec.settings, spec.backend_info, stats, [])
+        self._buckets[key] = RemoteBucket(spec.kind, spec.settings, spec.backend_info, stats, [])
 
     def detach(self, key: BucketKey) -> None:
         """Fail bucket ``key``'s requests in flight with :class:`ShuttingDownError` (the worker
@@ -140,7 +118,7 @@ class ProcessSlice:
         self.state = SliceState.STARTING
         worker = self._launch()
         assert worker is not None  # nothing stops a slice that is not started yet
-        if not self._await_ready(worker):
+        if not worker.await_ready(self.start_timeout_s, self._stopping, self.name):
             self.stop()
             self.state = SliceState.FAILED
             raise RuntimeError(f"slice {self.name!r}: the worker process did not start (exit code {worker.process.exitcode})")
@@ -198,7 +176,8 @@ class ProcessSlice:
             worker = self._worker
             if self.state is not SliceState.READY or worker is None:
                 raise SliceUnavailableError(f"the worker process of slice {self.name!r} is {self.state.value}", RETRY_AFTER_S)
-            self._in_flight[request_no] = _InFlight(key, request)
+            self._in_flight[request_no] = InFlight(key, request)
+            self.num_submitted += 1
             self._request_nos[id(request)] = request_no
             worker.send(("submit", key, wire))
         request.on_cancel = self.cancel
@@ -241,21 +220,38 @@ class ProcessSlice:
         self._buckets[key].observers.append(observer)
 
     def backend_info(self, key: BucketKey) -> dict[str, Any]:
-        """Bucket ``key``'s backend description, as the worker reported it when ready."""
+        """Bucket ``key``'s backend description, as the worker reported it when ready or rebuilt."""
         return self._buckets[key].backend_info
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent to the worker whose last event has not come back."""
+        return len(self._in_flight)
+
+    def rebuild(self, key: BucketKey, timeout_s: float = REBUILD_TIMEOUT_S) -> dict[str, Any]:
+        """Have the worker rebuild bucket ``key``'s batcher under the same key (its backend chosen
+        again: a gate record written since counts), between batches: requests on the old batcher
+        finish there, new ones go to the new one, none is dropped. Blocking (the worker builds and
+        warms a backend). Returns the bucket's new backend info (also :meth:`backend_info` now).
+
+        Raises:
+            SliceUnavailableError: the worker is not ready.
+            RuntimeError: the worker could not rebuild it (the message says why) or exited.
+            TimeoutError: no answer within ``timeout_s``.
+        """
+        if self.state is not SliceState.READY:
+            raise SliceUnavailableError(f"the worker process of slice {self.name!r} is {self.state.value}", RETRY_AFTER_S)
+        future = self._rebuilds.start(key)
+        self._send(("rebuild", key))
+        info = future.result(timeout_s)
+        self._buckets[key].backend_info.update(info)
+        return info
 
     # -- the worker's life -------------------------------------------------------------------
 
     def _spawn(self) -> tuple[Any, Connection]:
         """Start a worker process; return it and the gateway's end of its pipe."""
-        context = multiprocessing.get_context("spawn")
-        ours, theirs = context.Pipe()
-        process = context.Process(
-            target=self._target, args=(theirs, *self._worker_args()), name=f"sluice-slice-{self.name}", daemon=True
-        )
-        process.start()
-        theirs.close()  # the worker holds the only other end: its exit is end of file here
-        return process, ours
+        return spawn(self._target, self._worker_args(), f"sluice-slice-{self.name}")
 
     def _launch(self) -> WorkerProcess | None:
         """Start a worker and the threads that talk to it; ``None`` when :meth:`stop` came first
@@ -283,20 +279,7 @@ class ProcessSlice:
             return
         worker = self._launch()
         if worker is not None:
-            self._await_ready(worker)
-
-    def _await_ready(self, worker: WorkerProcess) -> bool:
-        """Wait until ``worker`` is ready (``True``), exits or the slice stops (``False``). One not
-        ready within ``start_timeout_s`` is killed (its end of file starts the next try)."""
-        deadline = time.monotonic() + self.start_timeout_s
-        while not worker.ready.wait(0.2):
-            if not worker.process.is_alive() or self._stopping.is_set():
-                return False
-            if time.monotonic() > deadline:
-                log.error("worker_start_timeout", slice=self.name, pid=worker.pid, timeout_s=self.start_timeout_s)
-                worker.process.kill()
-                return False
-        return True
+            worker.await_ready(self.start_timeout_s, self._stopping, self.name)
 
     def _on_exit(self, worker: WorkerProcess) -> None:
         """The worker's pipe closed: fail its requests and, unless stopping, start a new one."""
@@ -310,6 +293,7 @@ class ProcessSlice:
             self._busy_s_before += self._busy_s
             self._busy_s, self._busy_ratio = 0.0, 0.0
         worker.close_outbox()
+        self._rebuilds.fail_all(f"the worker process of slice {self.name!r} exited (code {worker.process.exitcode})")
         if self._stopping.is_set():
             return
         error = WorkerCrashedError(
@@ -323,7 +307,7 @@ class ProcessSlice:
         if restart:
             threading.Thread(target=self._restart, name=f"slice-{self.name}-restart", daemon=True).start()
 
-    def _fail(self, which: Callable[[_InFlight], bool], error: Exception) -> list[int]:
+    def _fail(self, which: Callable[[InFlight], bool], error: Exception) -> list[int]:
         """Take the requests in flight that ``which`` picks and emit ``error`` to each."""
         with self._lock:
             picked = [no for no, entry in self._in_flight.items() if which(entry)]
@@ -332,7 +316,7 @@ class ProcessSlice:
             entry.request.emit(ErrorEvent(error))
         return picked
 
-    def _take(self, request_no: int) -> _InFlight:
+    def _take(self, request_no: int) -> InFlight:
         """Remove request ``request_no`` from those in flight (call with the lock held)."""
         entry = self._in_flight.pop(request_no)
         self._request_nos.pop(id(entry.request), None)
@@ -377,6 +361,8 @@ class ProcessSlice:
             self._busy_s, self._busy_ratio = message[2], message[3]
         elif kind == "ready":
             self._on_ready(worker, message[1], message[2])
+        elif kind == "rebuilt":
+            self._rebuilds.finish(*message[1:])
 
     def _on_event(self, request_no: int, wire: Message, timeline: dict[str, float], batches: list[Any] | None) -> None:
         event = decode_event(wire)

@@ -4,12 +4,19 @@ sends to the worker ever blocks. A restart makes a new one."""
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import threading
+import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import structlog
+
 from buckets.slices.messages import Message
+
+log = structlog.get_logger(__name__)
 
 
 class WorkerProcess:
@@ -43,3 +50,28 @@ class WorkerProcess:
                 self.conn.send(message)
             except (OSError, ValueError):
                 return  # the pipe is gone; the reader sees end of file
+
+    def await_ready(self, timeout_s: float, stopping: threading.Event, slice_name: str) -> bool:
+        """Wait until the worker is ready (``True``), exits or ``stopping`` is set (``False``). One
+        not ready within ``timeout_s`` is killed (its end of file starts the next try)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.2):
+            if not self.process.is_alive() or stopping.is_set():
+                return False
+            if time.monotonic() > deadline:
+                log.error("worker_start_timeout", slice=slice_name, pid=self.pid, timeout_s=timeout_s)
+                self.process.kill()
+                return False
+        return True
+
+
+def spawn(target: Callable[..., None], args: tuple[Any, ...], name: str) -> tuple[Any, Connection]:
+    """Start ``target(conn, *args)`` in a new ``spawn`` process called ``name``; return the
+    process and the gateway's end of its pipe (the worker holds the only other end, so its exit
+    is end of file here)."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=target, args=(theirs, *args), name=name, daemon=True)
+    process.start()
+    theirs.close()
+    return process, ours

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +24,9 @@ import structlog
 import torch
 import yaml
 
-from gateway import gate
+from gateway import gate, gate_process
 from gateway.config import BucketConfig, GateConfig, ModelConfig, parse_config
+from gateway.gate_process import GateTask
 from models.loader import LoadedModel
 from tests.e2e.conftest import EMBED_MODEL, run_server_process, wait_for
 
@@ -121,7 +124,8 @@ def test_the_gateway_serves_correct_embeddings_while_the_gate_runs_then_switches
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         return state == "done"
 
-    wait_for(serve_one_then_look, GATE_TIMEOUT_S, "the background gate finished")
+    # Half a second between requests: the gate measures in the gaps (it pauses while one runs).
+    wait_for(serve_one_then_look, GATE_TIMEOUT_S, "the background gate finished", poll_s=0.5)
     assert served_during_gate >= 1
     finished = events(log_path, "gate_finished")
     assert len(finished) == 1 and finished[0]["bucket"] == "le32"
@@ -171,19 +175,24 @@ def test_a_gate_that_enables_a_backend_switches_the_bucket_with_requests_in_flig
     from gateway.app import create_app
 
     config = parse_config(config_data(fresh_cache_dir(tmp_path)))
+    apps: list[Any] = []
 
-    def injected_gate(loaded: Any, model: Any, bucket: Any, gate_config: Any, cache_dir: Path, num_threads: int,
-                      reason: str, guard: Any) -> dict[str, Any]:
+    def injected_gate(task: GateTask, guard: Any, stopping: Any) -> dict[str, Any]:
+        """The gate child's part, in place: wait for an idle slice, save a winning record."""
         guard.wait_until_idle()
-        return winning_record(loaded, model, bucket, gate_config, cache_dir, num_threads)
+        served = apps[0].state.engine.models[task.model["name"]]
+        bucket = next(b for b in served.config.buckets if b.bucket_name == task.bucket_name)
+        gate_config = GateConfig.model_validate(task.gate)
+        return winning_record(served.loaded, served.config, bucket, gate_config, Path(task.cache_dir), task.num_threads)
 
-    monkeypatch.setattr(gate, "run_and_save", injected_gate)
+    monkeypatch.setattr(gate_process, "measure_in_child", injected_gate)
     reference = hf_embeddings(hf_encoder, TEXTS)
 
     async def scenario(logs: list[dict[str, Any]]) -> list[int]:
         """Embeddings in rounds of concurrent requests until the old bucket has retired."""
         statuses: list[int] = []
         app = create_app(config)
+        apps.append(app)
         async with AsyncTestClient(app, timeout=120) as client:
             deadline = time.monotonic() + GATE_TIMEOUT_S
             while not {"backend_switched", "buckets_retired"} <= {e["event"] for e in logs}:
@@ -208,3 +217,107 @@ def test_a_gate_that_enables_a_backend_switches_the_bucket_with_requests_in_flig
     assert (switched[0]["from"], switched[0]["to"], switched[0]["speedup"]) == ("eager", "onnx-fp32", 2.0)
     retired = [e for e in logs if e["event"] == "buckets_retired"]
     assert len(retired) == 1 and retired[0]["num_unfinished"] == 0
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` is gone (a zombie not yet reaped still counts as there)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_killed_gate_child_leaves_its_bucket_on_eager_and_the_gateways_stop_ends_the_next(
+    tmp_path: Path, hf_encoder: Any
+) -> None:
+    data = config_data(fresh_cache_dir(tmp_path))
+    data["models"][0]["buckets"] = [BUCKET, {**BUCKET, "max_input_tokens": 64}]
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(data))
+    log_path = tmp_path / "server.log"
+    reference = hf_embeddings(hf_encoder, TEXTS)
+    with run_server_process(config, log_path, env={"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}) as (url, proc):
+        first = wait_for(lambda: events(log_path, "gate_child_started"), GATE_TIMEOUT_S, "the first gate's child started")[0]
+        os.kill(first["pid"], signal.SIGKILL)
+        failed = wait_for(lambda: events(log_path, "gate_failed"), 120, "the gateway saw its gate child die")
+        assert failed[0]["bucket"] == first["bucket"] == "le32" and failed[0]["running"] == "eager"
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        buckets = httpx.get(f"{url}/admin/models/{EMBED_MODEL}", headers=headers, timeout=30).json()["buckets"]
+        assert (buckets[0]["backend"]["running"], buckets[0]["backend"]["gate_state"]) == ("eager", "failed")
+        response = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": TEXTS}, timeout=120)
+        assert response.status_code == 200
+        assert_embeddings_correct(response.json(), reference)
+        second = wait_for(
+            lambda: [e for e in events(log_path, "gate_child_started") if e["bucket"] == "le64"], GATE_TIMEOUT_S,
+            "the second gate's child started",
+        )[0]
+        proc.terminate()
+        proc.wait(60)
+        assert process_gone(second["pid"]), "the gate's child outlived the gateway"
+        assert [e["pid"] for e in events(log_path, "gate_child_ended")] == [first["pid"], second["pid"]]
+        assert not events(log_path, "backend_switched")
+
+
+def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any
+) -> None:
+    from litestar.testing import AsyncTestClient
+
+    from gateway.app import create_app
+
+    data = config_data(fresh_cache_dir(tmp_path))
+    data["slices"][0]["isolation"] = "process"
+    config = parse_config(data)
+    apps: list[Any] = []
+    gate_may_finish = asyncio.Event()
+
+    def injected_gate(task: GateTask, guard: Any, stopping: Any) -> dict[str, Any]:
+        """The gate child's part, in place, once the test has looked at the bucket on eager."""
+        wait_for(gate_may_finish.is_set, GATE_TIMEOUT_S, "the test looked at the bucket on eager")
+        guard.wait_until_idle()
+        served = apps[0].state.engine.models[task.model["name"]]
+        bucket = next(b for b in served.config.buckets if b.bucket_name == task.bucket_name)
+        gate_config = GateConfig.model_validate(task.gate)
+        return winning_record(served.loaded, served.config, bucket, gate_config, Path(task.cache_dir), task.num_threads)
+
+    monkeypatch.setattr(gate_process, "measure_in_child", injected_gate)
+    reference = hf_embeddings(hf_encoder, TEXTS)
+
+    async def embed_all(client: Any, statuses: list[int]) -> None:
+        batch = [client.post("/v1/embeddings", json={"model": EMBED_MODEL, "input": [t]}) for t in TEXTS * 2]
+        for response, text in zip(await asyncio.gather(*batch), TEXTS * 2):
+            statuses.append(response.status_code)
+            assert response.status_code == 200, response.text
+            assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
+
+    async def scenario(logs: list[dict[str, Any]]) -> list[int]:
+        statuses: list[int] = []
+        app = create_app(config)
+        apps.append(app)
+        async with AsyncTestClient(app, timeout=120) as client:
+            bucket = app.state.engine.models[EMBED_MODEL].table.buckets[0]
+            assert bucket.device_slice.isolation == "process"
+            assert bucket.backend_info["running"] == "eager" and bucket.backend_info["gate_state"] in {"pending", "running"}
+            health = await client.get("/health", params={"verbose": "true"})
+            assert health.json()["gates"][0]["state"] in {"pending", "running"}
+            await embed_all(client, statuses)  # served on eager while the gate is pending
+            gate_may_finish.set()
+            deadline = time.monotonic() + GATE_TIMEOUT_S
+            while "backend_switched" not in {e["event"] for e in logs}:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
+                await embed_all(client, statuses)
+            await embed_all(client, statuses)  # served by the new batcher
+            assert app.state.engine.models[EMBED_MODEL].table.buckets == [bucket]  # the same bucket, rebuilt in the worker
+            assert (bucket.backend_info["running"], bucket.backend_info["gate_state"]) == ("onnx-fp32", "done")
+            health = await client.get("/health", params={"verbose": "true"})
+            assert health.json()["gates"] == [{"model": EMBED_MODEL, "bucket": "le32", "state": "done"}]
+        return statuses
+
+    with structlog.testing.capture_logs() as logs:
+        statuses = asyncio.run(scenario(logs))
+    assert statuses and set(statuses) == {200}
+    switched = [e for e in logs if e["event"] == "backend_switched"]
+    assert len(switched) == 1 and (switched[0]["from"], switched[0]["to"]) == ("eager", "onnx-fp32")
+    assert not [e for e in logs if e["event"] in {"gate_failed", "gate_switch_failed", "worker_crashed"}]

@@ -15,8 +15,10 @@ from types import SimpleNamespace
 import pytest
 import structlog
 
-from gateway import gate
-from gateway.background_gates import GATE_THREAD_NICE, BackgroundGates, GateJob, SliceIdleGuard, lower_thread_priority
+from buckets.slices.process import ProcessSlice
+from gateway import gate, gate_process
+from gateway.background_gates import BackgroundGates, GateJob, SliceIdleGuard
+from gateway.gate_process import GATE_NICE, lower_thread_priority
 from models.backends.measure import GateCancelledError, interleaved_times_ms
 
 FIELDS = {"model": "m", "bucket": "le32"}
@@ -145,7 +147,7 @@ def test_a_gate_whose_bucket_was_replaced_before_it_ran_is_dropped_unmeasured(mo
     def must_not_measure(*_: object, **__: object) -> None:
         raise AssertionError("a dropped gate measured")
 
-    monkeypatch.setattr(gate, "run_and_save", must_not_measure)
+    monkeypatch.setattr(gate_process, "measure_in_child", must_not_measure)
     queued, replacement = FakeBucket("le32"), FakeBucket("le32")
     served = SimpleNamespace(draining=False, table=SimpleNamespace(by_name=lambda name: replacement))
     gates = BackgroundGates(SimpleNamespace(models={"m": served}))  # type: ignore[arg-type]
@@ -170,5 +172,36 @@ def test_the_gate_thread_runs_at_the_lowest_priority_and_the_others_keep_theirs(
     thread = threading.Thread(target=gate_thread)
     thread.start()
     thread.join()
-    assert seen == {"returned": GATE_THREAD_NICE, "own": GATE_THREAD_NICE, "child": GATE_THREAD_NICE}
+    assert seen == {"returned": GATE_NICE, "own": GATE_NICE, "child": GATE_NICE}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_process_slice_bucket_is_queued_as_built_and_gated_only_when_its_worker_says_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured: list[str] = []
+    monkeypatch.setattr(gate_process, "measure_in_child", lambda task, guard, stopping: measured.append(task.bucket_name))
+    remote = ProcessSlice("cpu-p", "cpu", 1, target=print, worker_args=lambda: ())
+    found, pending, configured = FakeBucket("le32"), FakeBucket("le64"), FakeBucket("le128")
+    found.backend_info = {"configured": "auto", "isolation": "process"}  # as built: the worker has not said yet
+    pending.backend_info = dict(found.backend_info)
+    configured.backend_info = {"configured": "onnx", "isolation": "process"}
+    buckets = {b.name: b for b in (found, pending, configured)}
+    for bucket in buckets.values():
+        bucket.device_slice = remote  # type: ignore[attr-defined]
+    served = SimpleNamespace(draining=False, table=SimpleNamespace(by_name=buckets.get))
+    gates = BackgroundGates(SimpleNamespace(models={"m": served}))  # type: ignore[arg-type]
+    for bucket in buckets.values():
+        gates.on_bucket("m", bucket)  # type: ignore[arg-type]
+    jobs = [gates._queue.get_nowait() for _ in range(gates._queue.qsize())]
+    assert [job.bucket.name for job in jobs] == ["le32", "le64"]
+    found.backend_info.update(gate_state="done", running="onnx-fp32")  # the worker's ready message
+    pending.backend_info.update(gate_state="pending", running="eager")
+    monkeypatch.setattr(BackgroundGates, "_task", lambda self, job: SimpleNamespace(bucket_name=job.bucket.name))
+    monkeypatch.setattr(BackgroundGates, "_guard", lambda self, job: None)
+    monkeypatch.setattr(gate, "chosen_backend", lambda record, config: "eager")
+    monkeypatch.setattr(gate, "summary", lambda record, config: None)
+    gates.engine.config = SimpleNamespace(gate=None)  # type: ignore[attr-defined]
+    for job in jobs:
+        gates._gate(job)
+    assert measured == ["le64"] and pending.backend_info["gate_state"] == "done"

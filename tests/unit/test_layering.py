@@ -48,9 +48,12 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
 # benchmark drives the core directly, as a library user would: load a model, build a runner or
 # a batcher with its settings, submit requests, read stats; the load generator and the tuner
 # talk HTTP, and read only the tuner's policy. The HTTP app, routes, admin, the slices, the
-# scheduler and block manager, and the model backends' internals are not part of it.
+# scheduler and block manager, and the model backends' internals are not part of it. The gate
+# benchmark (bench/gate_load.py) starts the gateway's command with a gate run the way it ran
+# before its child process: it uses the gate's API (what ``sluice gate`` runs) and its seam.
 ENGINE_PUBLIC_API = frozenset({
     "gateway.engine", "gateway.config", "gateway.build", "gateway.memory",
+    "gateway.cli", "gateway.gate", "gateway.gate_process",
     "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io",
     "buckets.continuous", "buckets.dynamic", "buckets.request", "buckets.settings", "buckets.stats",
     "policies.tuning",

@@ -127,7 +127,8 @@ def test_stats_round_trip() -> None:
 class FakeProcess:
     """A thread standing in for a worker process: answers ``ready``, embeds prompts whose first
     token is not 0 at once (the embedding is ``[len(prompt)]``), holds the others, records
-    cancellations; :meth:`crash` closes its pipe as a dying process would."""
+    cancellations, answers a rebuild with ONNX FP32 running (unless ``hold_rebuilds``);
+    :meth:`crash` closes its pipe as a dying process would."""
 
     def __init__(self, conn: Any, pid: int, is_ready: bool = True):
         self.conn = conn
@@ -135,6 +136,7 @@ class FakeProcess:
         self.is_ready = is_ready
         self.exitcode: int | None = None
         self.received: list[tuple[Any, ...]] = []
+        self.hold_rebuilds = False  # True: a rebuild is never answered
         self._crash = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -149,6 +151,8 @@ class FakeProcess:
             self.received.append(message)
             if message[0] == "stop":
                 break
+            if message[0] == "rebuild" and not self.hold_rebuilds:
+                self.conn.send(("rebuilt", message[1], {"running": "onnx-fp32", "gate_state": "done"}, None))
             if message[0] == "submit" and message[2]["prompt_token_ids"][0] != 0:
                 wire = message[2]
                 self.conn.send(("dequeued", wire["request_no"], {"started": 5.0}))
@@ -215,6 +219,47 @@ def test_a_request_goes_to_the_worker_and_its_event_comes_back(fake_slice: Any) 
     assert request.timeline == {"arrival": 1.0, "started": 5.0, "first_token": 6.0}
     assert request.batches == [(0, 0)] and dequeued == [True]
     assert not device_slice._in_flight
+
+
+def test_a_rebuild_asks_the_worker_and_shows_the_new_backend(fake_slice: Any) -> None:
+    device_slice = fake_slice
+    assert device_slice.rebuild(KEY, timeout_s=TIMEOUT_S) == {"running": "onnx-fp32", "gate_state": "done"}
+    assert device_slice.backend_info(KEY) == {"running": "onnx-fp32", "gate_state": "done"}
+    assert [m for m in device_slice.processes[0].received if m[0] == "rebuild"] == [("rebuild", KEY)]
+
+
+def test_a_rebuild_fails_when_the_worker_dies_before_it_answers(fake_slice: Any) -> None:
+    device_slice = fake_slice
+    process = device_slice.processes[0]
+    process.hold_rebuilds = True
+    errors: list[BaseException] = []
+
+    def rebuild() -> None:
+        try:
+            device_slice.rebuild(KEY, timeout_s=TIMEOUT_S)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    caller = threading.Thread(target=rebuild)
+    caller.start()
+    wait_for(lambda: [m for m in process.received if m[0] == "rebuild"])
+    process.crash()
+    caller.join(TIMEOUT_S)
+    assert len(errors) == 1 and "exited" in str(errors[0])
+    assert device_slice.backend_info(KEY) == {"running": "eager"}
+
+
+def test_the_in_flight_count_and_the_submitted_count_follow_requests(fake_slice: Any) -> None:
+    device_slice = fake_slice
+    held = make_request(0, [])
+    device_slice.submit(KEY, held)
+    assert (device_slice.num_in_flight, device_slice.num_submitted) == (1, 1)
+    answered: list[RequestEvent] = []
+    device_slice.submit(KEY, make_request(1, answered))
+    wait_for(lambda: answered)
+    assert (device_slice.num_in_flight, device_slice.num_submitted) == (1, 2)
+    held.cancel("cancelled")
+    assert device_slice.num_in_flight == 0
 
 
 def test_a_cancelled_request_is_forwarded_and_leaves_its_queue(fake_slice: Any) -> None:
@@ -361,6 +406,62 @@ def test_the_host_serves_a_batcher_over_the_pipe() -> None:
         local_slice.stop()
         host.close()
     assert not serving.is_alive()
+
+
+class ScaledRunner:
+    """Embeds a prompt as ``[len(prompt) * scale]``: which batcher served it shows."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def embed(self, batch: list[list[int]]) -> tuple[Rows, int]:
+        return Rows([[float(len(ids)) * self.scale] for ids in batch]), 0
+
+
+def test_the_host_rebuilds_a_bucket_under_the_gateways_key() -> None:
+    settings = DynamicBatcherSettings(4, 0.0)
+    local_slice: Slice = ThreadSlice("cpu-w", "cpu", 1)
+    local_slice.attach(KEY, BucketSpec("dynamic", settings, lambda: DynamicBatcher(ScaledRunner(1.0), settings), {"running": "eager"}))
+    local_slice.start()
+    new_key = (KEY[0], KEY[1], 1)
+    retired: list[Any] = []
+
+    def rebuild(local_key: Any) -> tuple[Any, dict[str, Any], Callable[[], None]]:
+        info = {"running": "onnx-fp32"}
+        local_slice.attach(new_key, BucketSpec("dynamic", settings, lambda: DynamicBatcher(ScaledRunner(10.0), settings), info))
+        return new_key, info, lambda: (retired.append(local_key), local_slice.detach(local_key)) and None
+
+    ours, theirs = multiprocessing.Pipe()
+    host = SliceHost(theirs, local_slice, [KEY], stats_interval_s=0.01, rebuild=rebuild)
+    serving = threading.Thread(target=host.serve, daemon=True)
+    serving.start()
+
+    def embedding_of(request_no: int) -> Any:
+        ours.send(("submit", KEY, encode_request(request_no, make_request(3, []))))
+        while True:
+            message = ours.recv()
+            if message[0] == "event" and message[1] == request_no:
+                return decode_event(message[2])
+
+    try:
+        assert ours.recv()[0] == "ready"
+        assert embedding_of(1) == EmbeddingEvent([3.0], 3)
+        ours.send(("rebuild", KEY))
+        while (message := ours.recv())[0] != "rebuilt":
+            pass
+        assert message == ("rebuilt", KEY, {"running": "onnx-fp32"}, None) and retired == [KEY]
+        assert embedding_of(2) == EmbeddingEvent([30.0], 3)
+        while not ((message := ours.recv())[0] == "stats" and message[1][KEY]["num_finished"] == 1):
+            pass  # the gateway's key now reports the new batcher's counters
+        ours.send(("rebuild", ("model-a", "le99", 0)))
+        while (message := ours.recv())[0] != "rebuilt":
+            pass
+        assert message[2] is None and "no bucket" in message[3]
+    finally:
+        ours.send(("stop",))
+        serving.join(TIMEOUT_S)
+        local_slice.stop()
+        host.close()
 
 
 def test_a_worker_that_never_gets_ready_is_killed_and_another_started(monkeypatch: pytest.MonkeyPatch) -> None:
