@@ -52,7 +52,7 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         """Follow a sequence the scheduler has just queued."""
-        self._outputs[seq.seq_id] = _SequenceOutput(seq, IncrementalDetokenizer(self._tokenizer, seq.request.stop))
+        self._outputs[seq.seq_id] = _SequenceOutput(seq, IncrementalDetokenizer(self._tokenizer, seq.request.stop, seq.request.params.min_tokens))
 
     def record_plan(self, plan: StepPlan) -> None:
         """Note each scheduled request's place in the step (``Request.batches``); the first time
@@ -98,7 +98,7 @@ class OutputProcessor:
         """Detokenize, check stop strings and emit one token event; the sequence if it ended."""
         output = self._outputs[seq_id]
         seq, detokenizer = output.seq, output.detokenizer
-        text = detokenizer.update(seq.output_token_ids, is_last=reason is not None)
+        text = detokenizer.update(seq.text_token_ids, is_last=reason is not None)
         if detokenizer.stopped:
             if reason is None:
                 self._scheduler.finish(seq_id, FinishReason.STOP)

@@ -19,6 +19,7 @@ from models.backends.eager import EagerDecoder
 from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import DECODER_FACTORIES, build_decoder
 from models.kv_cache import KVShape, PagedKVCache
+from models.logits_processors import SequenceHistory
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
 from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput
@@ -37,6 +38,8 @@ class CausalLMRunner:
         on_fallback: called once as ``on_fallback(backend, error)`` when a step of a non-eager
             backend fails and the runner reruns it, and every later step, on eager
             (:class:`models.backends.fallback.FallbackRunner`).
+        eos_token_ids: the model's end-of-sequence ids, masked for a sequence with ``min_tokens``
+            until it has that many tokens.
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -45,7 +48,10 @@ class CausalLMRunner:
     step through :meth:`run`.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None):
+    def __init__(
+        self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         if backend not in DECODER_FACTORIES:
             raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
         self.model = model
@@ -58,6 +64,9 @@ class CausalLMRunner:
         # Build (first start on a machine: ~30 s) or load the decode kernel now, not in a request.
         self.uses_compiled_kernel = compiled_kernel_available()
         self._generators: dict[int, torch.Generator] = {}
+        # Token histories of the sequences whose sampling needs them (penalties, min_tokens).
+        self._histories: dict[int, SequenceHistory] = {}
+        self._eos_token_ids = eos_token_ids
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         eager = EagerDecoder(self.decoder, dummy_mask)
@@ -84,6 +93,7 @@ class CausalLMRunner:
         """
         for seq_id in batch.released_seq_ids:
             self._generators.pop(seq_id, None)
+            self._histories.pop(seq_id, None)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
         # Single-token segments (decodes) go first: attention runs them in one paged call.
@@ -99,7 +109,11 @@ class CausalLMRunner:
             return ForwardOutput(sampled_token_ids={})
         logits = self.lm_head(hidden[0, torch.tensor(rows, device=self.device)]).float()
         generators = [self._generator(s) for s in sampling]
-        tokens = sample(logits, [s.params for s in sampling], generators)
+        histories = [self._history(s) for s in sampling]
+        tokens = sample(logits, [s.params for s in sampling], generators, histories, self._eos_token_ids)
+        for history, token in zip(histories, tokens):
+            if history is not None:
+                history.output_token_ids.append(token)
         return ForwardOutput(sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)})
 
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
@@ -180,6 +194,18 @@ class CausalLMRunner:
         if generator is None:
             generator = self._generators[seq.seq_id] = make_generator(seq.params, self.device)
         return generator
+
+    def _history(self, seq: SequenceInput) -> SequenceHistory | None:
+        """The sequence's token history when its sampling needs one (created at its first sample,
+        with the prompt the scheduler sends along for ``repetition_penalty``), else ``None``.
+        Sampled tokens are added by :meth:`run`; a preempted sequence keeps its history, so the
+        outputs it recomputes are not counted twice."""
+        if not seq.params.needs_history:
+            return None
+        history = self._histories.get(seq.seq_id)
+        if history is None:
+            history = self._histories[seq.seq_id] = SequenceHistory(list(seq.prompt_token_ids or []))
+        return history
 
 
 # A decode in a warm-up step sits at this position: its context spans two blocks.

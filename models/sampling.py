@@ -1,14 +1,19 @@
-"""Batched next-token selection: greedy argmax or temperature / top-k / top-p sampling.
+"""Batched next-token selection: greedy argmax or temperature / min-p / top-k / top-p sampling.
 
 Each sampled row uses the request's own ``torch.Generator``, so a seeded request draws the same
 tokens whatever else shares its batch. Top-p follows Holtzman et al. 2019 ("nucleus sampling"):
 keep the smallest set of most likely tokens whose probabilities sum to at least ``top_p``.
+
+The logits processors of :mod:`models.logits_processors` run first, in vLLM's order (its module
+docstring), and only when some row of the step uses one: a batch without them takes the same
+path as before they existed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from models.logits_processors import SequenceHistory, apply_logits_processors, apply_min_p
 from models.step_io import SamplingParams
 
 
@@ -22,21 +27,42 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return generator
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    histories: list[SequenceHistory | None] | None = None,
+    stop_token_ids: frozenset[int] = frozenset(),
+) -> list[int]:
     """Pick one token per row.
 
     Args:
-        logits: ``[num_rows, vocab_size]`` float logits of the last position of each sequence.
+        logits: ``[num_rows, vocab_size]`` float logits of the last position of each sequence
+            (not changed: the processors work on a copy).
         params: sampling parameters, one per row.
         generators: per-row generators (used only by non-greedy rows).
+        histories: per-row token histories for the penalties and ``min_tokens`` (``None``: none kept).
+        stop_token_ids: the model's end-of-sequence ids, masked under ``min_tokens``.
     Returns:
         ``num_rows`` token ids.
     """
+    if any(p.uses_logits_processors for p in params):
+        rows_history = histories if histories is not None else [None] * len(params)
+        logits = apply_logits_processors(logits.float(), params, rows_history, stop_token_ids)
     chosen = torch.argmax(logits, dim=-1).tolist()
+    if any(p.min_p > 0 and not p.is_greedy for p in params):
+        logits = _apply_min_p(logits.float(), params)
     for row, p in enumerate(params):
         if not p.is_greedy:
             chosen[row] = _sample_row(logits[row].float(), p, generators[row])
     return chosen
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``min_p`` on the sampled rows (greedy rows get 0: their pick is already made)."""
+    min_p = torch.tensor([0.0 if p.is_greedy else p.min_p for p in params], device=logits.device)
+    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
+    return apply_min_p(logits, min_p, temperature)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
