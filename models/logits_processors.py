@@ -37,67 +37,76 @@ class SequenceHistory:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """How often each token occurs in each row: ``[rows, vocab_size]`` float32.
+def token_coordinates(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct ``(row, token id)`` pairs of ``token_ids`` (one id list per row) and how
+    often each occurs: three ``[n]`` tensors (int64 rows, int64 ids, float32 counts).
 
-    Built as vLLM's ``get_token_bin_counts_and_mask``: the rows are padded to one length with the
-    id ``vocab_size`` and scattered into ``vocab_size + 1`` bins, the padding bin then dropped.
+    vLLM's ``get_token_bin_counts_and_mask`` scatters the ids into a dense ``[rows, vocab_size]``
+    count tensor; these are its non-zero entries, found in one ``torch.unique`` over
+    ``row * (vocab_size + 1) + id`` keys (rows padded with the id ``vocab_size``, then dropped),
+    so a step costs in the tokens seen, not in the vocabulary.
     """
     width = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.tensor([list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids], dtype=torch.int64)
+    padded = torch.tensor([list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids], dtype=torch.int64, device=device)
     padded = padded.reshape(len(token_ids), width)
-    counts = torch.zeros((len(token_ids), vocab_size + 1), dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]
+    keys = (torch.arange(len(token_ids), device=device).unsqueeze(1) * (vocab_size + 1) + padded)[padded < vocab_size]
+    unique, counts = torch.unique(keys, return_counts=True)
+    return unique // (vocab_size + 1), unique % (vocab_size + 1), counts.to(torch.float32)
 
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_counts: torch.Tensor,
-    output_counts: torch.Tensor,
+    rows: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
     repetition: torch.Tensor,
     frequency: torch.Tensor,
     presence: torch.Tensor,
 ) -> torch.Tensor:
-    """Penalise tokens already seen; returns the new ``[rows, vocab_size]`` logits.
+    """Penalise tokens already seen in ``rows`` of ``logits``, in place; returns ``logits``.
 
     Args:
-        logits: ``[rows, vocab_size]`` float32.
-        prompt_counts, output_counts: ``[rows, vocab_size]`` token counts (:func:`token_counts`)
-            of the prompt and of the generated tokens.
-        repetition, frequency, presence: ``[rows]`` penalties (1, 0 and 0 leave a row as it is).
+        logits: ``[num_rows, vocab_size]`` float32.
+        rows: ``[n]`` int64, the rows penalised; the other rows are not read or written.
+        prompt_token_ids, output_token_ids: the prompt and generated token ids of each of ``rows``.
+        repetition, frequency, presence: ``[n]`` penalties (1, 0 and 0 leave a row as it is).
 
     The repetition penalty is CTRL's (Keskar et al. 2019) as vLLM applies it: a token seen in the
     prompt or the output has a positive logit divided by the penalty and a negative one
     multiplied by it. Then OpenAI's formula over the generated tokens (``c[j]`` the count of
     token ``j``): ``logits[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``.
+    Only the seen entries are read and written (:func:`token_coordinates`).
     """
-    seen = (prompt_counts > 0) | (output_counts > 0)
-    penalty = torch.where(seen, repetition.unsqueeze(1), torch.ones_like(logits))
-    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    logits = logits - frequency.unsqueeze(1) * output_counts
-    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    device, vocab_size = logits.device, logits.shape[-1]
+    seen = [list(prompt) + list(output) for prompt, output in zip(prompt_token_ids, output_token_ids)]
+    at, ids, _ = token_coordinates(seen, vocab_size, device)
+    values, penalty = logits[rows[at], ids], repetition[at]
+    logits.index_put_((rows[at], ids), torch.where(values > 0, values / penalty, values * penalty))
+    at, ids, counts = token_coordinates(output_token_ids, vocab_size, device)
+    logits.index_put_((rows[at], ids), -(counts * frequency[at] + presence[at]), accumulate=True)
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
-    """Add ``biases[i]`` to ``logits[rows[i], token_ids[i]]`` (OpenAI's ``logit_bias``), out of place.
+    """Add ``biases[i]`` to ``logits[rows[i], token_ids[i]]`` (OpenAI's ``logit_bias``), in place; returns ``logits``.
 
     Args:
         logits: ``[rows, vocab_size]`` float32.
         rows, token_ids: ``[n]`` int64 coordinates; biases: ``[n]`` float32.
     """
-    return logits.index_put((rows, token_ids), biases, accumulate=True)
+    return logits.index_put_((rows, token_ids), biases, accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Set ``logits[rows[i], token_ids[i]]`` to ``-inf`` (vLLM's ``min_tokens``: a row's stop
-    tokens cannot be drawn before it has its minimum), out of place. ``rows``, ``token_ids``: ``[n]`` int64."""
-    return logits.index_put((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+    tokens cannot be drawn before it has its minimum), in place; returns ``logits``.
+    ``rows``, ``token_ids``: ``[n]`` int64."""
+    return logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """Drop (set to ``-inf``) each token whose probability at the row's temperature is below
-    ``min_p`` times the most likely token's (vLLM's ``MinPLogitsProcessor``), out of place.
+    ``min_p`` times the most likely token's (vLLM's ``MinPLogitsProcessor``), in place; returns ``logits``.
 
     Args:
         logits: ``[rows, vocab_size]`` float32, before temperature.
@@ -105,12 +114,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, temperature: torch.Te
         temperature: ``[rows]``, positive.
 
     With ``p = softmax(logits / T)``, ``p[j] < min_p * max(p)`` is
-    ``(logits[j] - max(logits)) / T < ln(min_p)``; the test runs in that log form, which needs no
+    ``logits[j] < max(logits) + T * ln(min_p)``; the test runs in that log form, which needs no
     softmax and keeps every token of a row with ``min_p == 0`` (``ln 0 = -inf``).
     """
-    threshold = temperature * torch.log(min_p)
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(shifted < threshold.unsqueeze(1), float("-inf"))
+    threshold = logits.amax(dim=-1) + temperature * torch.log(min_p)
+    return logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
 
 
 def apply_logits_processors(
@@ -120,7 +128,7 @@ def apply_logits_processors(
     stop_token_ids: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Steps 1 and 2 of the module's order on the rows whose ``params`` use them; returns new
-    logits (the input is not changed, so raw logits stay available for logprobs).
+    logits (one copy of the input, which is not changed, so raw logits stay available for logprobs).
 
     Args:
         logits: ``[rows, vocab_size]`` float32.
@@ -130,6 +138,7 @@ def apply_logits_processors(
             ``stop_token_ids`` under ``min_tokens`` (vLLM masks them even with ``ignore_eos``).
     """
     device = logits.device
+    logits = logits.clone()
     known = [h if h is not None else SequenceHistory() for h in histories]
     masked = [
         (row, token_id)
@@ -157,19 +166,18 @@ def apply_logits_processors(
 def _penalise_rows(
     logits: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[SequenceHistory]
 ) -> torch.Tensor:
-    """:func:`apply_penalties` on ``rows`` of ``logits`` only (the others keep their values)."""
-    device, vocab_size = logits.device, logits.shape[-1]
-    index = torch.tensor(rows, device=device)
+    """:func:`apply_penalties` on ``rows`` of ``logits``, in place, with their settings in tensors."""
+    device = logits.device
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=logits.dtype, device=device)
 
-    penalised = apply_penalties(
-        logits[index],
-        token_counts([h.prompt_token_ids for h in histories], vocab_size, device),
-        token_counts([h.output_token_ids for h in histories], vocab_size, device),
+    return apply_penalties(
+        logits,
+        torch.tensor(rows, device=device),
+        [h.prompt_token_ids for h in histories],
+        [h.output_token_ids for h in histories],
         column([p.repetition_penalty for p in params]),
         column([p.frequency_penalty for p in params]),
         column([p.presence_penalty for p in params]),
     )
-    return logits.index_copy(0, index, penalised)

@@ -50,19 +50,24 @@ def sample(
         rows_history = histories if histories is not None else [None] * len(params)
         logits = apply_logits_processors(logits.float(), params, rows_history, stop_token_ids)
     chosen = torch.argmax(logits, dim=-1).tolist()
-    if any(p.min_p > 0 and not p.is_greedy for p in params):
-        logits = _apply_min_p(logits.float(), params)
-    for row, p in enumerate(params):
-        if not p.is_greedy:
-            chosen[row] = _sample_row(logits[row].float(), p, generators[row])
+    sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+    filtered = _min_p_rows(logits, params, sampled_rows)
+    for row in sampled_rows:
+        chosen[row] = _sample_row(filtered.get(row, logits[row]).float(), params[row], generators[row])
     return chosen
 
 
-def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """``min_p`` on the sampled rows (greedy rows get 0: their pick is already made)."""
-    min_p = torch.tensor([0.0 if p.is_greedy else p.min_p for p in params], device=logits.device)
-    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
-    return apply_min_p(logits, min_p, temperature)
+def _min_p_rows(logits: torch.Tensor, params: list[SamplingParams], sampled_rows: list[int]) -> dict[int, torch.Tensor]:
+    """The ``[vocab_size]`` logits of the sampled rows with ``min_p``, filtered by it in one batched
+    call (:func:`~models.logits_processors.apply_min_p` on those rows only), by row."""
+    rows = [row for row in sampled_rows if params[row].min_p > 0]
+    if not rows:
+        return {}
+    device = logits.device
+    min_p = torch.tensor([params[row].min_p for row in rows], device=device)
+    temperature = torch.tensor([params[row].temperature for row in rows], device=device)
+    filtered = apply_min_p(logits[torch.tensor(rows, device=device)].float(), min_p, temperature)
+    return dict(zip(rows, filtered))
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

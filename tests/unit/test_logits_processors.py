@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.logits_processors import (
-    SequenceHistory, apply_logit_bias, apply_logits_processors, apply_min_p, apply_min_tokens, apply_penalties, token_counts,
+    SequenceHistory, apply_logit_bias, apply_logits_processors, apply_min_p, apply_min_tokens, apply_penalties, token_coordinates,
 )
 from models.sampling import make_generator, sample
 from models.step_io import SamplingParams
@@ -35,37 +35,37 @@ def reference_penalties(logits: list[float], prompt: list[int], output: list[int
     return out
 
 
-def test_token_counts_count_each_row_and_ignore_padding() -> None:
-    counts = token_counts([[1, 1, 3], [], [0]], 4, "cpu")
-    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+def test_token_coordinates_count_each_row_and_ignore_padding() -> None:
+    rows, ids, counts = token_coordinates([[1, 1, 3], [], [0]], 4, "cpu")
+    assert list(zip(rows.tolist(), ids.tolist(), counts.tolist())) == [(0, 1, 2.0), (0, 3, 1.0), (2, 0, 1.0)]
 
 
 @pytest.mark.parametrize(("rep", "freq", "pres"), [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, -1.5), (0.6, -0.4, 1.1)])
 def test_penalties_follow_their_formulas(rep: float, freq: float, pres: float) -> None:
-    logits = make_logits(2)
+    logits = make_logits(3)
+    raw = logits.clone()
     prompt, output = [[1, 2, 2, 5], [7]], [[2, 3, 3, 3], []]
     got = apply_penalties(
-        logits, token_counts(prompt, VOCAB, "cpu"), token_counts(output, VOCAB, "cpu"),
-        torch.tensor([rep, rep]), torch.tensor([freq, freq]), torch.tensor([pres, pres]),
+        logits, torch.tensor([2, 0]), prompt, output, torch.tensor([rep, rep]), torch.tensor([freq, freq]), torch.tensor([pres, pres]),
     )
-    for row in range(2):
-        want = reference_penalties(logits[row].tolist(), prompt[row], output[row], rep, freq, pres)
+    for at, row in enumerate([2, 0]):
+        want = reference_penalties(raw[row].tolist(), prompt[at], output[at], rep, freq, pres)
         assert got[row].tolist() == pytest.approx(want, abs=1e-5)
+    assert torch.equal(got[1], raw[1])  # a row not named is not touched
 
 
 def test_logit_bias_adds_to_the_named_tokens_only() -> None:
     logits = make_logits(2)
-    got = apply_logit_bias(logits, torch.tensor([0, 0, 1]), torch.tensor([3, 5, 3]), torch.tensor([100.0, -2.5, -100.0]))
+    got = apply_logit_bias(logits.clone(), torch.tensor([0, 0, 1]), torch.tensor([3, 5, 3]), torch.tensor([100.0, -2.5, -100.0]))
     want = logits.clone()
     for row, token, bias in [(0, 3, 100.0), (0, 5, -2.5), (1, 3, -100.0)]:
         want[row, token] += bias
     assert torch.equal(got, want)
-    assert not torch.equal(logits, got)  # out of place
 
 
 def test_min_tokens_masks_the_named_tokens() -> None:
     logits = make_logits(2)
-    got = apply_min_tokens(logits, torch.tensor([1, 1]), torch.tensor([EOS, 4]))
+    got = apply_min_tokens(logits.clone(), torch.tensor([1, 1]), torch.tensor([EOS, 4]))
     assert torch.equal(got[0], logits[0])
     assert got[1, EOS] == -math.inf and got[1, 4] == -math.inf
     assert torch.equal(got[1, :4], logits[1, :4])
@@ -74,7 +74,7 @@ def test_min_tokens_masks_the_named_tokens() -> None:
 @pytest.mark.parametrize(("min_p", "temperature"), [(0.1, 1.0), (0.3, 0.5), (0.05, 1.7), (1.0, 1.0)])
 def test_min_p_drops_tokens_below_its_share_of_the_top_probability(min_p: float, temperature: float) -> None:
     logits = make_logits(1, seed=3)
-    got = apply_min_p(logits, torch.tensor([min_p]), torch.tensor([temperature]))[0]
+    got = apply_min_p(logits.clone(), torch.tensor([min_p]), torch.tensor([temperature]))[0]
     probs = torch.softmax(logits[0] / temperature, dim=-1).tolist()
     top = max(probs)
     for j, p in enumerate(probs):
@@ -86,7 +86,7 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_probability(min_p: float,
 
 def test_min_p_zero_keeps_every_token() -> None:
     logits = make_logits(3)
-    assert torch.equal(apply_min_p(logits, torch.zeros(3), torch.ones(3)), logits)
+    assert torch.equal(apply_min_p(logits.clone(), torch.zeros(3), torch.ones(3)), logits)
 
 
 def test_mixed_batch_leaves_rows_without_controls_untouched() -> None:
@@ -98,7 +98,9 @@ def test_mixed_batch_leaves_rows_without_controls_untouched() -> None:
         SamplingParams(min_tokens=3, stop_token_ids=(4,)),
     ]
     histories = [None, SequenceHistory([1, 2], [2, 2]), None, SequenceHistory([], [6])]
+    raw = logits.clone()
     got = apply_logits_processors(logits, params, histories, frozenset({EOS}))
+    assert torch.equal(logits, raw)  # the input keeps the raw logits
     assert torch.equal(got[0], logits[0])
     assert got[1].tolist() == pytest.approx(reference_penalties(logits[1].tolist(), [1, 2], [2, 2], 1.2, 1.0, 0.0), abs=1e-5)
     want_bias = logits[2].clone()
