@@ -80,8 +80,11 @@ def apply_penalties(
     device, vocab_size = logits.device, logits.shape[-1]
     seen = [list(prompt) + list(output) for prompt, output in zip(prompt_token_ids, output_token_ids)]
     at, ids, _ = token_coordinates(seen, vocab_size, device)
-    values, penalty = logits[rows[at], ids], repetition[at]
-    logits.index_put_((rows[at], ids), torch.where(values > 0, values / penalty, values * penalty))
+    # Any penalty > 0 is valid: keep it and the results finite in float32 (no inf, no 0 * inf).
+    finite = torch.finfo(logits.dtype)
+    values, penalty = logits[rows[at], ids], repetition[at].clamp(finite.tiny, finite.max)
+    penalised = torch.where(values > 0, values / penalty, values * penalty).clamp(-finite.max, finite.max)
+    logits.index_put_((rows[at], ids), penalised)
     at, ids, counts = token_coordinates(output_token_ids, vocab_size, device)
     logits.index_put_((rows[at], ids), -(counts * frequency[at] + presence[at]), accumulate=True)
     return logits

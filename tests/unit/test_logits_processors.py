@@ -170,3 +170,14 @@ def test_controls_defaults_are_off() -> None:
     assert SamplingParams(repetition_penalty=1.1).uses_prompt_tokens
     assert not SamplingParams(frequency_penalty=0.5).uses_prompt_tokens
     assert SamplingParams(min_tokens=1).needs_history
+
+
+@pytest.mark.parametrize("rep", [1e-300, 1e-40, 1e300])
+def test_extreme_repetition_penalties_keep_the_logits_finite_and_drawable(rep: float) -> None:
+    logits = make_logits(1)
+    logits[0, 4] = 0.0
+    params = [SamplingParams(temperature=1.0, repetition_penalty=rep, seed=1)]
+    histories: list[SequenceHistory | None] = [SequenceHistory([1, 2, 3, 4], [5])]
+    penalised = apply_logits_processors(logits, params, histories)
+    assert not torch.isnan(penalised).any() and not torch.isinf(penalised[0, [1, 2, 3, 4, 5]]).any()
+    assert 0 <= sample(logits, params, [make_generator(params[0])], histories)[0] < VOCAB
