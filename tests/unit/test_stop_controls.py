@@ -90,3 +90,19 @@ def test_repetition_penalty_sends_the_whole_prompt_with_each_prefill_chunk_only(
     assert [p for p, _ in sent if p < len(prompt)] == [0, 2, 5]  # three prefill chunks, then decodes
     assert all(ids == (prompt if position < len(prompt) else None) for position, ids in sent)
     assert len(sent) > 3
+
+
+def test_sampling_controls_cross_to_a_process_slice_unchanged() -> None:
+    import pickle
+
+    from buckets.request import GenerationRequest
+    from buckets.slices.messages import decode_request, encode_request
+
+    params = SamplingParams(
+        frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.2, min_p=0.1,
+        logit_bias=((3, 10.0), (7, -100.0)), stop_token_ids=(5, 9), min_tokens=2,
+    )
+    request = dataclasses.replace(make_request(), params=params)
+    wire = pickle.loads(pickle.dumps(encode_request(1, request)))
+    copy = decode_request(wire, lambda event: None)
+    assert isinstance(copy, GenerationRequest) and copy.params == params
