@@ -58,7 +58,8 @@ class OutputProcessor:
         """Follow a sequence the scheduler has just queued, and its pending forks (the request's
         other choices)."""
         for choice in (seq, *seq.forks):
-            self._outputs[choice.seq_id] = _SequenceOutput(choice, IncrementalDetokenizer(self._tokenizer, choice.request.stop))
+            detokenizer = IncrementalDetokenizer(self._tokenizer, choice.request.stop, choice.request.params.min_tokens)
+            self._outputs[choice.seq_id] = _SequenceOutput(choice, detokenizer)
         self._open_choices[id(seq.request)] = 1 + len(seq.forks)
 
     def _close_choice(self, seq: Sequence) -> int:
@@ -122,7 +123,7 @@ class OutputProcessor:
         """Detokenize, check stop strings and emit one token event; the sequence if it ended."""
         output = self._outputs[seq_id]
         seq, detokenizer = output.seq, output.detokenizer
-        text = detokenizer.update(seq.output_token_ids, is_last=reason is not None)
+        text = detokenizer.update(seq.text_token_ids, is_last=reason is not None)
         if detokenizer.stopped:
             if reason is None:
                 self._scheduler.finish(seq_id, FinishReason.STOP)

@@ -358,12 +358,15 @@ class Scheduler:
     def _input_of(self, seq: Sequence, num_tokens: int) -> SequenceInput:
         token_ids = seq.next_input_token_ids(num_tokens)
         do_sample = seq.num_computed_tokens + len(token_ids) >= seq.num_tokens
+        params = seq.params
+        in_prompt = seq.num_computed_tokens < len(seq.prompt_token_ids)
         return SequenceInput(
             seq_id=seq.seq_id,
             token_ids=token_ids,
             position=seq.num_computed_tokens,
             block_table=self.block_manager.block_table(seq.seq_id),
             do_sample=do_sample,
-            params=seq.params,
+            params=params,
             forks=tuple((child.seq_id, child.params) for child in seq.forks) if do_sample else (),
+            prompt_token_ids=seq.prompt_token_ids if params.uses_prompt_tokens and in_prompt else None,
         )

@@ -75,6 +75,9 @@ class Sequence:
         # Chained prefix-cache keys of its full blocks of known tokens (see :meth:`extend_block_hashes`).
         self.block_hashes: list[int] = []
         self._eos_token_ids = frozenset() if request.ignore_eos else eos_token_ids
+        self._stop_token_ids = frozenset(request.params.stop_token_ids)
+        # Whether it ended on one of ``params.stop_token_ids`` (a token left out of the text).
+        self.stopped_on_token = False
 
     def spawn_forks(self) -> list[Sequence]:
         """Create the request's choices ``1 .. n - 1`` as this sequence's pending :attr:`forks`
@@ -138,12 +141,23 @@ class Sequence:
             parent_hash = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids_between(start, start + block_size)))
 
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The outputs whose text the client gets: all of them, but the last when it is one of
+        ``params.stop_token_ids`` that ended the sequence (vLLM leaves it out too)."""
+        return self.output_token_ids[:-1] if self.stopped_on_token else self.output_token_ids
+
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token; return why the sequence must end now (``STOP`` at an
-        end-of-sequence token unless ``ignore_eos``, ``LENGTH`` at ``max_tokens``), else ``None``."""
+        end-of-sequence token unless ``ignore_eos``, or at one of ``params.stop_token_ids``,
+        once ``params.min_tokens`` are out; ``LENGTH`` at ``max_tokens``), else ``None``."""
         self.output_token_ids.append(token_id)
-        if token_id in self._eos_token_ids:
-            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.request.params.min_tokens:
+            if token_id in self._eos_token_ids:
+                return FinishReason.STOP
+            if token_id in self._stop_token_ids:
+                self.stopped_on_token = True
+                return FinishReason.STOP
         if len(self.output_token_ids) >= self.request.max_tokens:
             return FinishReason.LENGTH
         return None

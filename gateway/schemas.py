@@ -68,10 +68,7 @@ class EndpointBody(_Body):
 
 # Fields refused on both generation endpoints. The engineers implementing one move it out of
 # here (to a field of the body), one line per field.
-_REFUSED_GENERATION = frozenset({
-    "logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
-    "repetition_penalty", "min_p", "stop_token_ids", "min_tokens",  # vLLM's extensions
-})
+_REFUSED_GENERATION = frozenset({"logprobs"})
 # Accepted and dropped: a caller's label (user, safety_identifier), storage and billing
 # options of OpenAI's platform (metadata, store, service_tier), a cache hint (prompt_cache_key).
 _IGNORED_GENERATION = frozenset({"user"})
@@ -103,6 +100,14 @@ class _SamplingBody(EndpointBody):
     ignore_eos: StrictBool = False
     # vLLM's extension: also return prompt and completion token ids in each choice.
     return_token_ids: StrictBool = False
+    # Logits processors (models/logits_processors.py); null means the default, which turns each off.
+    frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # vLLM's
+    min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's
+    logit_bias: dict[StrictStr, Annotated[StrictFloat | StrictInt, Field(ge=-100.0, le=100.0)]] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # vLLM's
+    min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's
 
     @field_validator("stop")
     @classmethod
@@ -116,6 +121,18 @@ class _SamplingBody(EndpointBody):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: set stream_options only with stream: true")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal integers as strings), got {key!r}")
+        return bias
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs (its keys are strings in JSON)."""
+        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -19,6 +19,7 @@ from models.backends.eager import EagerDecoder
 from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import DECODER_FACTORIES, build_decoder
 from models.kv_cache import KVShape, PagedKVCache
+from models.logits_processors import SequenceHistory
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
 from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput
@@ -37,6 +38,8 @@ class CausalLMRunner:
         on_fallback: called once as ``on_fallback(backend, error)`` when a step of a non-eager
             backend fails and the runner reruns it, and every later step, on eager
             (:class:`models.backends.fallback.FallbackRunner`).
+        eos_token_ids: the model's end-of-sequence ids, masked for a sequence with ``min_tokens``
+            until it has that many tokens.
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -45,7 +48,10 @@ class CausalLMRunner:
     step through :meth:`run`.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None):
+    def __init__(
+        self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         if backend not in DECODER_FACTORIES:
             raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
         self.model = model
@@ -58,6 +64,9 @@ class CausalLMRunner:
         # Build (first start on a machine: ~30 s) or load the decode kernel now, not in a request.
         self.uses_compiled_kernel = compiled_kernel_available()
         self._generators: dict[int, torch.Generator] = {}
+        # Token histories of the sequences whose sampling needs them (penalties, min_tokens).
+        self._histories: dict[int, SequenceHistory] = {}
+        self._eos_token_ids = eos_token_ids
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         eager = EagerDecoder(self.decoder, dummy_mask)
@@ -86,6 +95,7 @@ class CausalLMRunner:
         """
         for seq_id in batch.released_seq_ids:
             self._generators.pop(seq_id, None)
+            self._histories.pop(seq_id, None)
         self.kv_cache.copy_blocks(batch.block_copies)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
@@ -93,20 +103,24 @@ class CausalLMRunner:
         ordered = sorted(batch.sequences, key=lambda s: len(s.token_ids) != 1)
         hidden = self._forward(ordered)
         rows: list[int] = []
-        sampling: list[tuple[int, SamplingParams]] = []
+        sampling: list[tuple[int, SamplingParams, list[int] | None]] = []  # a fork shares its parent's prompt
         end = 0
         for seq in ordered:
             end += len(seq.token_ids)
             if seq.do_sample:
                 for seq_id, params in ((seq.seq_id, seq.params), *seq.forks):
                     rows.append(end - 1)
-                    sampling.append((seq_id, params))
+                    sampling.append((seq_id, params, seq.prompt_token_ids))
         if not sampling:
             return ForwardOutput(sampled_token_ids={})
         logits = self.lm_head(hidden[0, torch.tensor(rows, device=self.device)]).float()
-        generators = [self._generator(seq_id, params) for seq_id, params in sampling]
-        tokens = sample(logits, [params for _, params in sampling], generators)
-        return ForwardOutput(sampled_token_ids={seq_id: t for (seq_id, _), t in zip(sampling, tokens)})
+        generators = [self._generator(seq_id, params) for seq_id, params, _ in sampling]
+        histories = [self._history(seq_id, params, prompt) for seq_id, params, prompt in sampling]
+        tokens = sample(logits, [params for _, params, _ in sampling], generators, histories, self._eos_token_ids)
+        for history, token in zip(histories, tokens):
+            if history is not None:
+                history.output_token_ids.append(token)
+        return ForwardOutput(sampled_token_ids={seq_id: t for (seq_id, _, _), t in zip(sampling, tokens)})
 
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
         """Run the forward once at each step shape so no request pays for compilation; returns
@@ -186,6 +200,18 @@ class CausalLMRunner:
         if generator is None:
             generator = self._generators[seq_id] = make_generator(params, self.device)
         return generator
+
+    def _history(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int] | None) -> SequenceHistory | None:
+        """The sequence's token history when its sampling needs one (created at its first sample,
+        with the prompt the scheduler sends along for ``repetition_penalty``), else ``None``.
+        Sampled tokens are added by :meth:`run`; a preempted sequence keeps its history, so the
+        outputs it recomputes are not counted twice."""
+        if not params.needs_history:
+            return None
+        history = self._histories.get(seq_id)
+        if history is None:
+            history = self._histories[seq_id] = SequenceHistory(list(prompt_token_ids or []))
+        return history
 
 
 # A decode in a warm-up step sits at this position: its context spans two blocks.

@@ -30,11 +30,16 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a Hugging Face tokenizer (only ``decode`` is called).
         stop: stop strings; the first one found ends generation and is not returned.
+        min_tokens: stop strings count only when they end in the text of a token after the
+            first ``min_tokens`` (vLLM's rule, its PR 22014).
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(s for s in stop if s)
+        self._min_tokens = min_tokens
+        # Characters of output text (confirmed or not) once ``min_tokens`` tokens were out.
+        self._min_tokens_chars = 0
         self._hold_chars = max((len(s) for s in self._stop), default=1) - 1
         self._prefix_offset = 0
         self._read_offset = 0
@@ -63,9 +68,12 @@ class IncrementalDetokenizer:
         unconfirmed = self._decode_new(output_token_ids)  # may first extend the confirmed text
         text = self._text + unconfirmed
         released = self._num_released_chars - self._text_start
-        if self._stop:
+        if len(output_token_ids) <= self._min_tokens:
+            self._min_tokens_chars = self._text_start + len(text)
+        elif self._stop:
             search_from = max(0, released - self._hold_chars)
-            hits = [i for i in (text.find(s, search_from) for s in self._stop) if i >= 0]
+            floor = self._min_tokens_chars - self._text_start + 1  # a stop must end past it
+            hits = [i for i in (text.find(s, max(search_from, floor - len(s))) for s in self._stop) if i >= 0]
             if hits:
                 text = text[: min(hits)]
                 self.stopped = True

@@ -1,14 +1,19 @@
-"""Batched next-token selection: greedy argmax or temperature / top-k / top-p sampling.
+"""Batched next-token selection: greedy argmax or temperature / min-p / top-k / top-p sampling.
 
 Each sampled row uses the request's own ``torch.Generator``, so a seeded request draws the same
 tokens whatever else shares its batch. Top-p follows Holtzman et al. 2019 ("nucleus sampling"):
 keep the smallest set of most likely tokens whose probabilities sum to at least ``top_p``.
+
+The logits processors of :mod:`models.logits_processors` run first, in vLLM's order (its module
+docstring), and only when some row of the step uses one: a batch without them takes the same
+path as before they existed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from models.logits_processors import SequenceHistory, apply_logits_processors, apply_min_p
 from models.step_io import SamplingParams
 
 
@@ -22,21 +27,47 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return generator
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    histories: list[SequenceHistory | None] | None = None,
+    stop_token_ids: frozenset[int] = frozenset(),
+) -> list[int]:
     """Pick one token per row.
 
     Args:
-        logits: ``[num_rows, vocab_size]`` float logits of the last position of each sequence.
+        logits: ``[num_rows, vocab_size]`` float logits of the last position of each sequence
+            (not changed: the processors work on a copy).
         params: sampling parameters, one per row.
         generators: per-row generators (used only by non-greedy rows).
+        histories: per-row token histories for the penalties and ``min_tokens`` (``None``: none kept).
+        stop_token_ids: the model's end-of-sequence ids, masked under ``min_tokens``.
     Returns:
         ``num_rows`` token ids.
     """
+    if any(p.uses_logits_processors for p in params):
+        rows_history = histories if histories is not None else [None] * len(params)
+        logits = apply_logits_processors(logits.float(), params, rows_history, stop_token_ids)
     chosen = torch.argmax(logits, dim=-1).tolist()
-    for row, p in enumerate(params):
-        if not p.is_greedy:
-            chosen[row] = _sample_row(logits[row].float(), p, generators[row])
+    sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+    filtered = _min_p_rows(logits, params, sampled_rows)
+    for row in sampled_rows:
+        chosen[row] = _sample_row(filtered.get(row, logits[row]).float(), params[row], generators[row])
     return chosen
+
+
+def _min_p_rows(logits: torch.Tensor, params: list[SamplingParams], sampled_rows: list[int]) -> dict[int, torch.Tensor]:
+    """The ``[vocab_size]`` logits of the sampled rows with ``min_p``, filtered by it in one batched
+    call (:func:`~models.logits_processors.apply_min_p` on those rows only), by row."""
+    rows = [row for row in sampled_rows if params[row].min_p > 0]
+    if not rows:
+        return {}
+    device = logits.device
+    min_p = torch.tensor([params[row].min_p for row in rows], device=device)
+    temperature = torch.tensor([params[row].temperature for row in rows], device=device)
+    filtered = apply_min_p(logits[torch.tensor(rows, device=device)].float(), min_p, temperature)
+    return dict(zip(rows, filtered))
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

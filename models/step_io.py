@@ -14,18 +14,55 @@ class SamplingParams:
 
     ``temperature`` below ``GREEDY_TEMPERATURE`` is greedy (argmax). ``top_k == 0`` and ``top_p == 1`` turn those filters
     off. ``seed`` makes sampling reproducible per request, whatever else shares the batch.
+
+    The logits processors of :mod:`models.logits_processors` (their defaults turn each off):
+    ``frequency_penalty`` and ``presence_penalty`` (OpenAI's, over the generated tokens),
+    ``repetition_penalty`` (vLLM's, over prompt and generated tokens; 1 is off), ``min_p``
+    (vLLM's: tokens below ``min_p`` times the top token's probability are dropped),
+    ``logit_bias`` (``(token id, bias)`` pairs added to the logits), ``min_tokens`` (the
+    end-of-sequence and ``stop_token_ids`` tokens are masked, and stop strings ignored, until
+    that many tokens are generated). ``stop_token_ids`` end generation like an end-of-sequence
+    token, with ``finish_reason="stop"`` and the token left out of the text.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     @property
     def is_greedy(self) -> bool:
         """Temperatures below ``GREEDY_TEMPERATURE`` pick the argmax (as vLLM's ``_SAMPLING_EPS``):
         dividing float32 logits by them would give 0/0 for the top token."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether any of the three penalties is on (they need the sequence's token history)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def uses_prompt_tokens(self) -> bool:
+        """Whether sampling looks at the prompt's tokens (only ``repetition_penalty`` does)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the runner keeps this sequence's token history (penalties, ``min_tokens``)."""
+        return self.uses_penalties or self.min_tokens > 0
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Whether any processor applied before the greedy pick is on (penalties,
+        ``logit_bias``, ``min_tokens``); ``min_p`` is applied after it, see :mod:`models.sampling`."""
+        return self.needs_history or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -44,6 +81,9 @@ class SequenceInput:
         forks: ``(seq_id, params)`` of the sequences that fork off this one after its prompt's
             last chunk: each samples its own first token from this sequence's last logits row,
             with its own sampler state (only with ``do_sample``).
+        prompt_token_ids: the whole prompt, sent with each chunk of the prompt's prefill when
+            ``params.uses_prompt_tokens`` (the runner keeps it for ``repetition_penalty``; with
+            prefix caching the chunks alone miss the cached part), else ``None``.
     """
 
     seq_id: int
@@ -53,6 +93,7 @@ class SequenceInput:
     do_sample: bool
     params: SamplingParams
     forks: tuple[tuple[int, SamplingParams], ...] = ()
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

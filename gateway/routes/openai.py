@@ -339,7 +339,7 @@ async def _generate(
     out, or fails, get its status code (504, 500) even when it streams. All prompts are queued
     or none: a refusal cancels those queued before it.
     """
-    params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed)
+    params = sampling_params(served, body)
     response_id = f"{fmt.id_prefix}-{request_id_of(http_request.scope)}"
     sources: list[PromptSource] = []
     try:
@@ -381,6 +381,10 @@ def _request_factory(
     """How the router builds one prompt's core request from its token ids and budget."""
 
     def build(prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+        if params.min_tokens > max_tokens:
+            raise invalid_request(
+                f"min_tokens is {params.min_tokens}, over the request's max_tokens of {max_tokens}", param="min_tokens"
+            )
         request = GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -422,6 +426,33 @@ async def _echo_only(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(out.chunks(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(out.body())
+
+
+def sampling_params(served: ServedModel, body: CompletionBody | ChatCompletionBody) -> SamplingParams:
+    """The request's :class:`SamplingParams`; a ``null`` processor field is its default (off).
+
+    Raises:
+        APIError: 400 naming ``logit_bias.<id>`` when a key is outside the model's vocabulary.
+    """
+    vocab_size = served.loaded.model_config.vocab_size
+    for key in body.logit_bias or {}:
+        if int(key) >= vocab_size:
+            raise invalid_request(
+                f"logit_bias has the token id {key}, outside the vocabulary of the model "
+                f"'{served.config.name}' (ids 0 to {vocab_size - 1})",
+                param=f"logit_bias.{key}",
+            )
+    logit_bias = body.logit_bias_pairs()
+    return SamplingParams(
+        temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed,
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        presence_penalty=float(body.presence_penalty or 0.0),
+        repetition_penalty=float(1.0 if body.repetition_penalty is None else body.repetition_penalty),
+        min_p=float(body.min_p or 0.0),
+        logit_bias=logit_bias,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        min_tokens=body.min_tokens or 0,
+    )
 
 
 def timing_headers(request: CoreRequest) -> dict[str, str]:
