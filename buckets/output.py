@@ -13,7 +13,7 @@ Owned by the bucket's worker thread, like the scheduler; no locks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from buckets.errors import DeadlineExceededError
@@ -21,14 +21,31 @@ from buckets.request import ErrorEvent, TokenEvent
 from buckets.scheduler import Scheduler, StepPlan, StepResult
 from buckets.sequence import FinishReason, Sequence
 from models.detokenizer import IncrementalDetokenizer
+from models.step_io import TokenLogprobs
 
 
 @dataclass
 class _SequenceOutput:
-    """A live sequence and the detokenizer of its outputs."""
+    """A live sequence, the detokenizer of its outputs, and its prompt logprobs so far (of
+    positions 1 on, in order) until its first event carries them."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    has_emitted: bool = False
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        """Keep the entries of positions not held yet (a recompute after preemption repeats some)."""
+        skip = len(self.prompt_logprobs) + 1 - first_position
+        if skip >= 0:
+            self.prompt_logprobs.extend(entries[skip:])
+
+    def first_event_prompt_logprobs(self) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt logprobs the next event carries: all of them (the first position's
+        ``None``) on the first event of a request that asked, else ``None``."""
+        if self.has_emitted or not self.seq.request.needs_prompt_logprobs:
+            return None
+        return (None, *self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -69,16 +86,19 @@ class OutputProcessor:
     def process(self, result: StepResult) -> list[Sequence]:
         """Emit the step's events; return the sequences that ended (a stop string included).
 
-        Each new token gets a :class:`TokenEvent` with the text it released (the last one
-        carries ``finish_reason``). A sequence that ended without a new token was dropped: on
+        Each new token gets a :class:`TokenEvent` with the text it released and its logprobs
+        when asked (the last one carries ``finish_reason``; the first, the prompt logprobs when
+        asked); a ``max_tokens`` 0 sequence gets one event without tokens. A sequence that ended without a new token was dropped: on
         ``TIMEOUT`` it gets a last event with the text held back so far when it has outputs,
         else an error event carrying :class:`DeadlineExceededError`; on ``CANCELLED`` nothing is
         emitted (whoever cancelled it answers the client) and its admission ticket is released.
         """
         now = self._clock()
         ended: list[Sequence] = []
+        for seq_id, (first_position, entries) in result.prompt_logprobs.items():
+            self._outputs[seq_id].add_prompt_logprobs(first_position, entries)
         for seq_id, token_ids in result.new_token_ids.items():
-            seq = self._emit_tokens(seq_id, token_ids, result.finished.get(seq_id), now)
+            seq = self._emit_tokens(seq_id, token_ids, result.finished.get(seq_id), now, result.logprobs.get(seq_id, []))
             if seq is not None:
                 ended.append(seq)
         for seq_id, reason in result.finished.items():
@@ -94,7 +114,9 @@ class OutputProcessor:
             seq.request.timeline["finished"] = now
             seq.request.emit(ErrorEvent(error))
 
-    def _emit_tokens(self, seq_id: int, token_ids: list[int], reason: FinishReason | None, now: float) -> Sequence | None:
+    def _emit_tokens(
+        self, seq_id: int, token_ids: list[int], reason: FinishReason | None, now: float, logprobs: list[TokenLogprobs]
+    ) -> Sequence | None:
         """Detokenize, check stop strings and emit one token event; the sequence if it ended."""
         output = self._outputs[seq_id]
         seq, detokenizer = output.seq, output.detokenizer
@@ -108,12 +130,16 @@ class OutputProcessor:
         if reason is not None:
             request.timeline["finished"] = now
             del self._outputs[seq_id]
+        prompt_logprobs = output.first_event_prompt_logprobs()
+        output.has_emitted = True
         request.emit(TokenEvent(
             text=text,
             token_ids=token_ids,
             finish_reason=None if reason is None else reason.value,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_completion_tokens=len(seq.output_token_ids),
+            logprobs=tuple(logprobs),
+            prompt_logprobs=prompt_logprobs,
         ))
         return None if reason is None else seq
 

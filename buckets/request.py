@@ -12,19 +12,27 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from models.step_io import SamplingParams
+from models.step_io import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """New generated text. ``finish_reason`` is set on the last event: ``stop``, ``length``, or
-    ``timeout`` (the deadline passed after some tokens; that last event may carry no new token)."""
+    ``timeout`` (the deadline passed after some tokens; that last event may carry no new token).
+
+    ``logprobs`` has one entry per id of ``token_ids`` when the request asked for logprobs
+    (``num_top_logprobs``), else none. ``prompt_logprobs`` is set on the first event of a
+    request with ``needs_prompt_logprobs``: one entry per prompt token, the first ``None``
+    (nothing precedes it).
+    """
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     num_prompt_tokens: int
     num_completion_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,14 +128,21 @@ class Request:
 class GenerationRequest(Request):
     """A completion or chat request: prompt tokens in, a stream of :class:`TokenEvent` out.
 
-    ``max_tokens`` bounds new tokens; ``stop`` strings end generation (not returned);
-    ``ignore_eos`` keeps generating past end-of-sequence tokens (benchmarks use it).
+    ``max_tokens`` bounds new tokens (0: the prompt is computed and nothing is generated,
+    for its prompt logprobs); ``stop`` strings end generation (not returned); ``ignore_eos``
+    keeps generating past end-of-sequence tokens (benchmarks use it).
+
+    ``num_top_logprobs`` (``None``: none) asks for each generated token's logprob with that
+    many alternatives (0 to 20); ``needs_prompt_logprobs`` also asks for the prompt tokens'
+    (with as many alternatives), which the scheduler computes without the prefix cache.
     """
 
     max_tokens: int = 16
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    num_top_logprobs: int | None = None
+    needs_prompt_logprobs: bool = False
 
 
 @dataclass

@@ -5,11 +5,16 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator,
+    model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 MAX_STOP_STRINGS = 4
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# OpenAI's bounds: completions' ``logprobs`` and chat's ``top_logprobs``.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
 
 
 def _encodable(text: str) -> str:
@@ -74,9 +79,22 @@ class _SamplingBody(_Body):
 
 
 class CompletionBody(_SamplingBody):
-    """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does."""
+    """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does; 0 is allowed
+    with ``echo`` (the prompt alone comes back, with its logprobs when ``logprobs`` is set).
+    ``logprobs`` (0 to 5): each token's logprob and that many alternatives."""
 
     prompt: Text = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: StrictBool = False
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self) -> CompletionBody:
+        if self.max_tokens == 0 and not self.echo:
+            # An error located at the field, as its own ``ge`` bound would give.
+            error = PydanticCustomError("greater_than_equal", "Input should be greater than or equal to 1 unless echo is true")
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(type=error, loc=("max_tokens",), input=0)])
+        return self
 
 
 class ChatMessage(_Body):
@@ -90,6 +108,19 @@ class ChatCompletionBody(_SamplingBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    # ``logprobs: true``: each generated token's logprob, with ``top_logprobs`` (0 to 20) alternatives.
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionBody:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is given")
+        return self
+
+    def num_top_logprobs(self) -> int | None:
+        """Alternatives per token for the core (``None``: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class EmbeddingBody(_Body):

@@ -41,6 +41,11 @@ class SequenceInput:
         block_table: the sequence's KV block ids, enough to hold ``position + len(token_ids)`` tokens.
         do_sample: whether to sample a next token after this step (false for a non-final prefill chunk).
         params: sampling parameters.
+        num_top_logprobs: ``None``: no logprobs; ``k`` (0 to 20): the sampled token's logprob
+            and the ``k`` most likely tokens' (see :mod:`models.logprobs`).
+        prompt_logprob_token_ids: the known tokens at positions ``position + 1`` on, whose
+            logprobs given the tokens before them the runner computes from this step's rows
+            ``0 .. len - 1`` (with ``num_top_logprobs`` alternatives); empty for most requests.
     """
 
     seq_id: int
@@ -49,6 +54,8 @@ class SequenceInput:
     block_table: list[int]
     do_sample: bool
     params: SamplingParams
+    num_top_logprobs: int | None = None
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,33 @@ class ForwardInput:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities, from the model's raw logits (natural log).
+
+    Fields:
+        token_id: the token at this position (sampled, or the prompt's).
+        logprob: its log-probability.
+        top: the most likely tokens at this position, ``(token_id, logprob)``, most likely
+            first (as many as the request asked for; ``token_id`` may be among them).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class ForwardOutput:
-    """The runner's result: one sampled token id for each sequence with ``do_sample``."""
+    """The runner's result.
+
+    Fields:
+        sampled_token_ids: one sampled token id for each sequence with ``do_sample``.
+        logprobs: the sampled token's :class:`TokenLogprobs`, for each sampling sequence with
+            ``num_top_logprobs`` set.
+        prompt_logprobs: for each sequence with ``prompt_logprob_token_ids``, one
+            :class:`TokenLogprobs` per such token, in order.
+    """
 
     sampled_token_ids: dict[int, int]
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from typing import Any
 from buckets.request import ErrorEvent, GenerationRequest, Request as CoreRequest, RequestEvent, TokenEvent
 from gateway.engine import ServedModel
 from gateway.errors import APIError, deadline_exceeded, to_api_error
+from gateway.logprobs_format import ChoiceLogprobs
 from gateway.outcome import outcome_of
 from gateway.response_format import ResponseFormat
 from gateway.streams import ChannelItem, EventChannel, Interrupt, InterruptReason, RequestWatch
@@ -78,16 +79,19 @@ async def collect_response(
     first: TokenEvent,
     watch: RequestWatch,
     return_token_ids: bool = False,
+    echo_text: str = "",
+    logprobs: ChoiceLogprobs | None = None,
 ) -> dict[str, Any]:
     """Gather the whole generation, from its ``first`` event on; return the completion object.
 
     A deadline that passes mid-generation ends it with ``finish_reason="timeout"`` and what was
-    generated so far.
+    generated so far. ``echo_text`` comes before the generated text; ``logprobs`` (when the
+    request asked) fills the choice's ``logprobs``.
 
     Raises:
         APIError: 500 when the core failed the request; 499 when the client hung up.
     """
-    pieces: list[str] = []
+    pieces: list[str] = [echo_text]
     token_ids: list[int] = []
     num_completion_tokens = 0
     finish_reason: str | None = None
@@ -102,6 +106,8 @@ async def collect_response(
             assert isinstance(item, TokenEvent)
             pieces.append(item.text)
             token_ids.extend(item.token_ids)
+            if logprobs is not None:
+                logprobs.add(item)
             num_completion_tokens = item.num_completion_tokens
             if item.finish_reason is not None:
                 finish_reason = item.finish_reason
@@ -112,6 +118,8 @@ async def collect_response(
         request.cancel()  # no-op once finished; frees the sequence if the client went away
     finish(served, request, num_completion_tokens, item, watch)
     choice = fmt.choice("".join(pieces), finish_reason)
+    if logprobs is not None:
+        choice["logprobs"] = logprobs.whole()
     if return_token_ids:
         choice.update(prompt_token_ids=request.prompt_token_ids, token_ids=token_ids)
     body = _envelope(served, request, fmt, is_chunk=False)
@@ -126,10 +134,13 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 def _chunk(
     served: ServedModel, request: GenerationRequest, fmt: ResponseFormat, text: str | None, finish_reason: str | None,
-    has_role: bool = False,
+    has_role: bool = False, logprobs: dict[str, Any] | None = None,
 ) -> str:
     body = _envelope(served, request, fmt, is_chunk=True)
-    body["choices"] = [fmt.chunk_choice(text, finish_reason, has_role)]
+    choice = fmt.chunk_choice(text, finish_reason, has_role)
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    body["choices"] = [choice]
     return _sse(body)
 
 
@@ -141,11 +152,16 @@ async def stream_response(
     include_usage: bool,
     first: TokenEvent,
     watch: RequestWatch,
+    echo_text: str = "",
+    logprobs: ChoiceLogprobs | None = None,
 ) -> AsyncIterator[str]:
-    """SSE events from the ``first`` event on: a chunk per text delta, the last one with
-    ``finish_reason`` (``timeout`` when the deadline passed mid-generation), optionally a usage
-    chunk, then ``data: [DONE]``. A client that disconnects cancels the request."""
+    """SSE events from the ``first`` event on: a chunk per text delta (per event with tokens
+    when the request asked for ``logprobs``, each chunk carrying its tokens'), the first
+    beginning with ``echo_text``, the last one with ``finish_reason`` (``timeout`` when the
+    deadline passed mid-generation), optionally a usage chunk, then ``data: [DONE]``. A client
+    that disconnects cancels the request."""
     completion_tokens = 0
+    prefix = echo_text
     item: ChannelItem = first
     try:
         if fmt is ResponseFormat.CHAT:
@@ -164,8 +180,10 @@ async def stream_response(
                 assert isinstance(item, TokenEvent)
                 completion_tokens = item.num_completion_tokens
                 finish_reason = item.finish_reason
-                if item.text or finish_reason:
-                    yield _chunk(served, request, fmt, item.text, finish_reason)
+                text, prefix = prefix + item.text, ""
+                if text or finish_reason or (logprobs is not None and item.token_ids):
+                    chunk_logprobs = None if logprobs is None else logprobs.chunk(item)
+                    yield _chunk(served, request, fmt, text, finish_reason, logprobs=chunk_logprobs)
             if finish_reason is not None:
                 if include_usage:
                     usage = _envelope(served, request, fmt, is_chunk=True)

@@ -18,6 +18,7 @@ from buckets.request import EmbeddingEvent, EmbeddingRequest, GenerationRequest,
 from gateway.access_log import note
 from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, validation_error
+from gateway.logprobs_format import choice_logprobs
 from gateway.response_format import ResponseFormat
 from gateway.router import Prompt, Router, TokenBudget
 from gateway.routes.generation import collect_response, finish, first_event, stream_response
@@ -246,6 +247,9 @@ async def _generate(
     """
     params = SamplingParams(temperature=float(body.temperature), top_p=float(body.top_p), top_k=body.top_k, seed=body.seed)
     channel = EventChannel()
+    is_completion = isinstance(body, CompletionBody)
+    num_top_logprobs = body.logprobs if isinstance(body, CompletionBody) else body.num_top_logprobs()
+    echo_text = body.prompt if isinstance(body, CompletionBody) and body.echo else ""
 
     def build(prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
         request = GenerationRequest(
@@ -258,6 +262,8 @@ async def _generate(
             params=params,
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
+            num_top_logprobs=num_top_logprobs,
+            needs_prompt_logprobs=is_completion and bool(echo_text) and num_top_logprobs is not None,
         )
         request.timeline["arrival"] = arrival_s
         return request
@@ -268,15 +274,16 @@ async def _generate(
     first = await first_event(served, request, channel, watch)
     assert isinstance(first, TokenEvent)
     headers = timing_headers(request)
+    logprobs = choice_logprobs(request, served.loaded.tokenizer, is_chat=not is_completion)
     if body.stream:
         watch.stop_disconnect_watch()  # the streaming response listens for the hang-up itself
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
-            stream_response(served, request, channel, fmt, include_usage, first, watch),
+            stream_response(served, request, channel, fmt, include_usage, first, watch, echo_text, logprobs),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **headers},
         )
-    body_out = await collect_response(served, request, channel, fmt, first, watch, body.return_token_ids)
+    body_out = await collect_response(served, request, channel, fmt, first, watch, body.return_token_ids, echo_text, logprobs)
     return Response(body_out, headers=headers)
 
 
