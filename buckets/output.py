@@ -88,10 +88,11 @@ class OutputProcessor:
 
         Each new token gets a :class:`TokenEvent` with the text it released and its logprobs
         when asked (the last one carries ``finish_reason``; the first, the prompt logprobs when
-        asked); a ``max_tokens`` 0 sequence gets one event without tokens. A sequence that ended without a new token was dropped: on
-        ``TIMEOUT`` it gets a last event with the text held back so far when it has outputs,
-        else an error event carrying :class:`DeadlineExceededError`; on ``CANCELLED`` nothing is
-        emitted (whoever cancelled it answers the client) and its admission ticket is released.
+        asked); a ``max_tokens`` 0 sequence gets one event without tokens. A sequence that
+        ended without a new token was dropped: on ``TIMEOUT`` it gets a last event with the
+        text held back so far when it has outputs, else an error event carrying
+        :class:`DeadlineExceededError`; on ``CANCELLED`` nothing is emitted (whoever cancelled
+        it answers the client) and its admission ticket is released.
         """
         now = self._clock()
         ended: list[Sequence] = []

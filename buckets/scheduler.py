@@ -275,7 +275,9 @@ class Scheduler:
                 finished[seq.seq_id] = reason
         logprobs = {seq_id: [lp] for seq_id, lp in output.logprobs.items()}
         prompt_logprobs = {
-            s.seq_id: (s.position + 1, output.prompt_logprobs[s.seq_id]) for s in plan.forward.sequences if s.seq_id in output.prompt_logprobs
+            s.seq_id: (s.position + 1, output.prompt_logprobs[s.seq_id])
+            for s in plan.forward.sequences
+            if s.seq_id in output.prompt_logprobs
         }
         return StepResult(new_token_ids, finished, logprobs, prompt_logprobs)
 

@@ -20,8 +20,8 @@ from models.backends.eager import EagerDecoder
 from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import DECODER_FACTORIES, build_decoder
 from models.kv_cache import KVShape, PagedKVCache
-from models.paged_attention import compiled_kernel_available
 from models.logprobs import token_logprobs
+from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
 from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput, TokenLogprobs
 
@@ -114,7 +114,9 @@ class CausalLMRunner:
             sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)}, logprobs=logprobs, prompt_logprobs=prompt_logprobs
         )
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[SequenceInput], starts: list[int]) -> dict[int, list[TokenLogprobs]]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, ordered: list[SequenceInput], starts: list[int]
+    ) -> dict[int, list[TokenLogprobs]]:
         """Logprobs of each sequence's ``prompt_logprob_token_ids`` from its rows of ``hidden``
         (``[1, T, hidden_size]``), the LM head run on at most ``_PROMPT_LOGPROB_ROWS`` rows at
         a time so a long prompt's logits never sit in memory whole."""
