@@ -122,23 +122,27 @@ def test_echo_with_max_tokens_zero_returns_the_prompts_logprobs_equal_to_hf(open
     assert "".join(logprobs.tokens) == PROMPT
 
 
+def assert_choice_logprobs_equal_hf(model: Any, body: dict[str, Any], values: list[float]) -> None:
+    """``values`` (one per generated token) against HF's for the choice's own token ids."""
+    prompt_ids, output_ids = body["choices"][0]["prompt_token_ids"], body["choices"][0]["token_ids"]
+    reference = reference_logprobs(model, prompt_ids + output_ids)
+    want = [float(reference[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(output_ids)]
+    assert values == pytest.approx(want, abs=TOLERANCE)
+
+
 def test_completion_logprobs_streamed_and_not_agree_and_equal_hf(openai_client, hf_causal_lm) -> None:  # type: ignore[no-untyped-def]
-    model, tokenizer = hf_causal_lm
-    args = dict(model=GENERATE_MODEL, prompt=PROMPT, logprobs=2, max_tokens=6, temperature=0)
-    whole = openai_client.completions.create(**args).choices[0]
+    model, _ = hf_causal_lm
+    args: dict[str, Any] = dict(model=GENERATE_MODEL, prompt=PROMPT, logprobs=2, max_tokens=6, temperature=0)
+    whole = openai_client.completions.create(**args, extra_body={"return_token_ids": True})
+    choice = whole.choices[0]
+    assert_choice_logprobs_equal_hf(model, whole.model_dump(), choice.logprobs.token_logprobs)
     chunks = [c.choices[0] for c in openai_client.completions.create(stream=True, **args)]
     streamed_tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
     streamed_offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
-    assert streamed_tokens == whole.logprobs.tokens and streamed_offsets == whole.logprobs.text_offset
-    assert "".join(c.text for c in chunks) == whole.text
-    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(whole.text, add_special_tokens=False)["input_ids"]
-    reference = reference_logprobs(model, prompt_ids + output_ids)
-    if [tokenizer.decode([t]) for t in output_ids] == whole.logprobs.tokens:  # the text re-tokenizes alike
-        for j, token_id in enumerate(output_ids):
-            assert whole.logprobs.token_logprobs[j] == pytest.approx(float(reference[len(prompt_ids) - 1 + j, token_id]), abs=TOLERANCE)
-    assert whole.logprobs.text_offset[0] == 0
-    assert all(len(top) in (2, 3) for top in whole.logprobs.top_logprobs)
+    assert streamed_tokens == choice.logprobs.tokens and streamed_offsets == choice.logprobs.text_offset
+    assert "".join(c.text for c in chunks) == choice.text
+    assert choice.logprobs.text_offset[0] == 0
+    assert all(len(top) in (2, 3) for top in choice.logprobs.top_logprobs)
 
 
 def test_echo_with_logprobs_puts_the_prompt_first_in_text_and_logprobs(openai_client) -> None:  # type: ignore[no-untyped-def]
@@ -152,13 +156,15 @@ def test_echo_with_logprobs_puts_the_prompt_first_in_text_and_logprobs(openai_cl
     assert logprobs.text_offset[usage.prompt_tokens] == len(PROMPT)  # the first generated token follows the echo
 
 
-def test_chat_logprobs_streamed_and_not_agree(openai_client) -> None:  # type: ignore[no-untyped-def]
+def test_chat_logprobs_streamed_and_not_agree_and_equal_hf(openai_client, hf_causal_lm) -> None:  # type: ignore[no-untyped-def]
+    model, _ = hf_causal_lm
     args: dict[str, Any] = dict(
         model=GENERATE_MODEL, messages=[{"role": "user", "content": "Say hello."}], logprobs=True, top_logprobs=2, max_tokens=5, temperature=0,
     )
-    whole = openai_client.chat.completions.create(**args).choices[0]
+    response = openai_client.chat.completions.create(**args, extra_body={"return_token_ids": True})
+    whole = response.choices[0]
     content = whole.logprobs.content
-    assert len(content) == 5 or whole.finish_reason == "stop"
+    assert_choice_logprobs_equal_hf(model, response.model_dump(), [item.logprob for item in content])
     for item in content:
         assert item.bytes == list(item.token.encode("utf-8"))
         assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
