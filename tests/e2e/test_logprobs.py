@@ -40,14 +40,18 @@ def assert_entry_close(entry: Any, reference_row: Any) -> None:
         assert value == pytest.approx(float(reference_row[token_id]), abs=TOLERANCE)
 
 
-def run_batched(loaded: Any, requests: list[Any], max_num_batched_tokens: int) -> None:
-    """Submit ``requests`` at once to one continuous batcher on the real model; step to the end."""
+def make_batcher(loaded: Any, max_num_batched_tokens: int) -> Any:
+    """A continuous batcher on the real model, prefix caching on."""
     from buckets.continuous import ContinuousBatcher
     from buckets.settings import ContinuousBatcherSettings
     from models.causal_lm import CausalLMRunner
 
     settings = ContinuousBatcherSettings(8, max_num_batched_tokens, BLOCK_SIZE)
-    batcher = ContinuousBatcher(CausalLMRunner(loaded.model, 128, BLOCK_SIZE), settings, loaded.tokenizer, loaded.eos_token_ids)
+    return ContinuousBatcher(CausalLMRunner(loaded.model, 128, BLOCK_SIZE), settings, loaded.tokenizer, loaded.eos_token_ids)
+
+
+def run_to_the_end(batcher: Any, requests: list[Any]) -> None:
+    """Submit ``requests`` at once and step until every one has ended."""
     for request in requests:
         batcher.submit(request)
     for _ in range(10_000):
@@ -69,8 +73,9 @@ def test_batched_chunked_and_prefix_cached_logprobs_equal_hf(sluice_model, hf_ca
     events: list[list[Any]] = [[] for _ in prompts]
     # Sampled at temperature 0.7: its logprobs must still be the raw logits' (vLLM's raw_logprobs).
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5)]
+    batcher = make_batcher(sluice_model, max_num_batched_tokens=32)  # prompts of 58-70 tokens run in chunks
     warm = GenerationRequest(request_id="warm", prompt_token_ids=prefix + corpus[1000:1004], sink=lambda e: None, max_tokens=1)
-    run_batched(sluice_model, [warm], max_num_batched_tokens=64)
+    run_to_the_end(batcher, [warm])
     requests = [
         GenerationRequest(
             request_id=f"r{i}", prompt_token_ids=p, sink=events[i].append, max_tokens=6, params=params[i],
@@ -78,7 +83,8 @@ def test_batched_chunked_and_prefix_cached_logprobs_equal_hf(sluice_model, hf_ca
         )
         for i, p in enumerate(prompts)
     ]
-    run_batched(sluice_model, [warm, *requests], max_num_batched_tokens=32)  # prompts of 58-70 tokens run in chunks
+    run_to_the_end(batcher, requests)
+    assert batcher.stats().prefix_cache_hits >= len(prefix) // BLOCK_SIZE  # the plain request beside them reused the prefix
     for i, prompt in enumerate(prompts[:3]):
         assert all(isinstance(e, TokenEvent) for e in events[i]), events[i]
         output = [t for e in events[i] for t in e.token_ids]
