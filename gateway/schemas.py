@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator,
 )
 
 MAX_STOP_STRINGS = 4
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# OpenAI's bounds: completions' ``logprobs`` and chat's ``top_logprobs``.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
 
 
 def _encodable(text: str) -> str:
@@ -73,10 +76,13 @@ PromptField = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
 
 class CompletionBody(_SamplingBody):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does; 0 only with
-    ``echo`` (checked by the route). Each prompt of a list becomes its own ``n`` choices."""
+    ``echo`` (checked by the route: the prompt alone comes back, with its logprobs when
+    ``logprobs`` is set). Each prompt of a list becomes its own ``n`` choices. ``logprobs``
+    (0 to 5): each token's logprob and that many alternatives."""
 
     prompt: PromptField
     max_tokens: StrictInt | None = Field(default=None, ge=0)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
     # Accepted only when it equals ``n`` (or is absent); the route refuses anything else.
     best_of: StrictInt | None = None
@@ -116,6 +122,19 @@ class ChatCompletionBody(_SamplingBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    # ``logprobs: true``: each generated token's logprob, with ``top_logprobs`` (0 to 20) alternatives.
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionBody:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is given")
+        return self
+
+    def num_top_logprobs(self) -> int | None:
+        """Alternatives per token for the core (``None``: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class EmbeddingBody(_Body):

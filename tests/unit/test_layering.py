@@ -51,7 +51,7 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
 # scheduler and block manager, and the model backends' internals are not part of it.
 ENGINE_PUBLIC_API = frozenset({
     "gateway.engine", "gateway.config", "gateway.build", "gateway.memory",
-    "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io",
+    "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io", "models.logprobs",
     "buckets.continuous", "buckets.dynamic", "buckets.request", "buckets.settings", "buckets.stats",
     "policies.tuning",
 })
