@@ -14,6 +14,7 @@ import pytest
 from buckets.request import GenerationRequest, TokenEvent
 from gateway.errors import APIError
 from gateway.response_format import ResponseFormat
+from gateway.routes.choices import PromptSource
 from gateway.routes.generation import collect_response, first_event, stream_response
 from gateway.streams import EventChannel, Interrupt, InterruptReason, RequestWatch
 
@@ -23,6 +24,7 @@ class FakeServed:
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(name="m")
+        self.loaded = SimpleNamespace(tokenizer=None)  # no request here asks for logprobs
         self.finished: list[tuple[int, str]] = []
 
     def finish(self, request: Any, completion_tokens: int, outcome: str) -> None:
@@ -56,7 +58,7 @@ def test_a_deadline_mid_generation_waits_for_the_cores_last_event() -> None:
         channel.sink(_token(" wor", 2))
         channel.sink(_token("ld", 3, finish_reason="timeout"))  # the core's drop at its next step
         assert isinstance(first, TokenEvent)
-        body = await collect_response(served, request, channel, ResponseFormat.COMPLETION, first, watch)
+        body = await collect_response(served, "cmpl-1", [PromptSource(request, channel, "", 0)], [first], 1, ResponseFormat.COMPLETION, watch)
         return body, served, request
 
     body, served, request = asyncio.run(run())
@@ -75,7 +77,8 @@ def test_a_streamed_deadline_mid_generation_sends_the_held_back_text() -> None:
         watch = RequestWatch([request], [channel], request.deadline_s, None, backstop_s=60.0)
         await _until(lambda: watch.reason is not None)
         channel.sink(_token(" there", 2, finish_reason="timeout"))
-        return [chunk async for chunk in stream_response(served, request, channel, ResponseFormat.COMPLETION, False, first, watch)]
+        sources = [PromptSource(request, channel, "", 0)]
+        return [chunk async for chunk in stream_response(served, "cmpl-1", sources, [first], 1, ResponseFormat.COMPLETION, False, watch)]
 
     chunks = asyncio.run(run())
     assert '" there"' in chunks[-2] and '"timeout"' in chunks[-2] and chunks[-1] == "data: [DONE]\n\n"
@@ -121,7 +124,7 @@ def test_a_hang_up_mid_generation_logs_the_tokens_generated() -> None:
         await _until(lambda: channel.has_events)
         watch._fire(InterruptReason.DISCONNECTED)  # what the disconnect watch does on http.disconnect
         with pytest.raises(APIError) as closed:
-            await collect_response(served, request, channel, ResponseFormat.COMPLETION, first, watch)
+            await collect_response(served, "cmpl-1", [PromptSource(request, channel, "", 0)], [first], 1, ResponseFormat.COMPLETION, watch)
         assert closed.value.status_code == 499
         return served
 
