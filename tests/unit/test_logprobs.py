@@ -30,7 +30,8 @@ def fake_logprobs(position: int, token_id: int) -> TokenLogprobs:
 
 
 class LogprobsRunner:
-    """Samples ``SAMPLED`` and reports :func:`fake_logprobs` for what each sequence asked."""
+    """Samples ``SAMPLED`` (a sequence's ``k``-th fork: ``SAMPLED + 1 + k``) and reports
+    :func:`fake_logprobs` for what each sequence asked (a fork asks as its parent does)."""
 
     def __init__(self, num_blocks: int = 64) -> None:
         self.kv_cache = SimpleNamespace(num_blocks=num_blocks, block_size=BLOCK_SIZE)
@@ -38,10 +39,15 @@ class LogprobsRunner:
 
     def run(self, batch: ForwardInput) -> ForwardOutput:
         self.calls.append(batch)
-        sampling = [s for s in batch.sequences if s.do_sample]
+        sampling = [
+            (seq_id, s.position + len(s.token_ids), SAMPLED + k, s.num_top_logprobs)
+            for s in batch.sequences
+            if s.do_sample
+            for k, seq_id in enumerate((s.seq_id, *(f for f, _ in s.forks)))
+        ]
         return ForwardOutput(
-            sampled_token_ids={s.seq_id: SAMPLED for s in sampling},
-            logprobs={s.seq_id: fake_logprobs(s.position + len(s.token_ids), SAMPLED) for s in sampling if s.num_top_logprobs is not None},
+            sampled_token_ids={seq_id: token_id for seq_id, _, token_id, _ in sampling},
+            logprobs={seq_id: fake_logprobs(p, token_id) for seq_id, p, token_id, top in sampling if top is not None},
             prompt_logprobs={
                 s.seq_id: [fake_logprobs(s.position + 1 + i, t) for i, t in enumerate(s.prompt_logprob_token_ids)]
                 for s in batch.sequences
@@ -55,10 +61,12 @@ def make_batcher(runner: LogprobsRunner, max_num_batched_tokens: int = 64) -> Co
     return ContinuousBatcher(runner, settings, FakeTokenizer(), frozenset({EOS}), clock=FakeClock())
 
 
-def request(prompt: list[int], max_tokens: int = 3, num_top: int | None = 2, echo: bool = False, name: str = "r") -> GenerationRequest:
+def request(
+    prompt: list[int], max_tokens: int = 3, num_top: int | None = 2, echo: bool = False, name: str = "r", n: int = 1
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=name, prompt_token_ids=prompt, sink=Recorder(), max_tokens=max_tokens, ignore_eos=True,
-        num_top_logprobs=num_top, needs_prompt_logprobs=echo,
+        num_top_logprobs=num_top, needs_prompt_logprobs=echo, n=n,
     )
 
 
@@ -157,6 +165,42 @@ def test_max_tokens_zero_computes_the_prompt_and_ends_with_one_event_of_prompt_l
     (event,) = token_events(req)
     assert (event.token_ids, event.text, event.finish_reason, event.num_completion_tokens) == ([], "", "length", 0)
     assert event.prompt_logprobs == (None, *(fake_logprobs(p, prompt[p]) for p in range(1, len(prompt))))
+    assert not any(s.do_sample for c in runner.calls for s in c.sequences)
+    assert batcher.block_manager.num_used_blocks == 0
+
+
+def test_each_of_n_choices_gets_its_own_tokens_logprobs_and_the_prompts_on_its_first_event() -> None:
+    runner = LogprobsRunner()
+    batcher = make_batcher(runner, max_num_batched_tokens=4)  # the prompt runs in two chunks
+    prompt = [3, 4, 5, 6, 8, 9]
+    req = request(prompt, max_tokens=3, echo=True, n=3)
+    batcher.submit(req)
+    drain(batcher)
+    events = token_events(req)
+    want_prompt = (None, *(fake_logprobs(p, prompt[p]) for p in range(1, len(prompt))))
+    for index in range(3):
+        mine = [e for e in events if e.index == index]
+        tokens = [t for e in mine for t in e.token_ids]
+        assert [lp.token_id for e in mine for lp in e.logprobs] == tokens
+        assert tokens[0] == SAMPLED + index  # its first token, sampled from the shared prompt's row
+        assert mine[0].logprobs == (fake_logprobs(len(prompt), SAMPLED + index),)
+        assert mine[0].prompt_logprobs == want_prompt and all(e.prompt_logprobs is None for e in mine[1:])
+    assert sum(len(s.prompt_logprob_token_ids) for c in runner.calls for s in c.sequences) == len(prompt) - 1
+    assert batcher.block_manager.num_used_blocks == 0
+
+
+def test_max_tokens_zero_with_n_choices_ends_every_choice_with_the_prompt_logprobs() -> None:
+    runner = LogprobsRunner()
+    batcher = make_batcher(runner)
+    prompt = [3, 4, 5, 6, 8]
+    req = request(prompt, max_tokens=0, echo=True, n=2)
+    batcher.submit(req)
+    drain(batcher)
+    events = token_events(req)
+    assert sorted(e.index for e in events) == [0, 1] and events[-1].ends_request
+    want_prompt = (None, *(fake_logprobs(p, prompt[p]) for p in range(1, len(prompt))))
+    for event in events:
+        assert (event.token_ids, event.finish_reason, event.prompt_logprobs) == ([], "length", want_prompt)
     assert not any(s.do_sample for c in runner.calls for s in c.sequences)
     assert batcher.block_manager.num_used_blocks == 0
 
