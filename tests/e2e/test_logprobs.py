@@ -208,3 +208,67 @@ def test_out_of_bounds_logprobs_are_a_400_naming_the_field(server_url: str, path
     response = httpx.post(f"{server_url}{path}", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# --- logprobs with n choices, prompt lists and echo ---------------------------------------------
+
+
+def assert_values_equal_hf(model: Any, prompt_ids: list[int], output_ids: list[int], values: list[float]) -> None:
+    """One choice's chosen-token logprobs against HF's ``log_softmax`` for its own token ids."""
+    reference = reference_logprobs(model, prompt_ids + output_ids)
+    want = [float(reference[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(output_ids)]
+    assert values == pytest.approx(want, abs=TOLERANCE)
+
+
+def test_greedy_n2_gives_each_choice_logprobs_equal_to_hf_streamed_and_not(openai_client, hf_causal_lm) -> None:  # type: ignore[no-untyped-def]
+    model, _ = hf_causal_lm
+    args: dict[str, Any] = dict(model=GENERATE_MODEL, prompt=PROMPT, n=2, logprobs=2, max_tokens=6, temperature=0)
+    whole = openai_client.completions.create(**args, extra_body={"return_token_ids": True}).model_dump()
+    choices = sorted(whole["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice in choices:
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(choice["token_ids"]) > 0
+        assert_values_equal_hf(model, choice["prompt_token_ids"], choice["token_ids"], logprobs["token_logprobs"])
+    streamed: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in openai_client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            if c.logprobs:
+                assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs)  # each chunk its own tokens'
+                streamed[c.index].extend(c.logprobs.tokens)
+    assert streamed == {c["index"]: c["logprobs"]["tokens"] for c in choices}
+
+
+def test_echo_max_tokens_zero_logprobs_over_a_list_of_prompts_equal_hf(openai_client, hf_causal_lm) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = hf_causal_lm
+    prompts = [PROMPT, "One, two, three, four, five"]
+    response = openai_client.completions.create(model=GENERATE_MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=0, n=2)
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    total = 0
+    for choice in choices:
+        prompt = prompts[choice.index // 2]
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert choice.text == prompt and choice.finish_reason == "length"
+        logprobs = choice.logprobs
+        assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) == len(prompt_ids)
+        assert "".join(logprobs.tokens) == prompt
+        assert_values_equal_hf(model, prompt_ids[:1], prompt_ids[1:], logprobs.token_logprobs[1:])
+        total += len(prompt_ids) if choice.index % 2 == 0 else 0
+    assert response.usage.prompt_tokens == total and response.usage.completion_tokens == 0
+
+
+def test_seeded_n3_logprobs_follow_each_choice_own_tokens_with_the_echoed_prompt_first(openai_client, hf_causal_lm) -> None:  # type: ignore[no-untyped-def]
+    model, _ = hf_causal_lm
+    response = openai_client.completions.create(
+        model=GENERATE_MODEL, prompt=PROMPT, n=3, seed=7, temperature=1.0, logprobs=2, max_tokens=8, echo=True,
+        extra_body={"return_token_ids": True},
+    ).model_dump()
+    choices = sorted(response["choices"], key=lambda c: c["index"])
+    assert len({tuple(c["token_ids"]) for c in choices}) > 1  # sampled apart
+    for choice in choices:
+        prompt_ids, output_ids, logprobs = choice["prompt_token_ids"], choice["token_ids"], choice["logprobs"]
+        values = logprobs["token_logprobs"]
+        assert len(values) == len(prompt_ids) + len(output_ids) and values[0] is None
+        assert_values_equal_hf(model, prompt_ids[:1], prompt_ids[1:] + output_ids, values[1:])
+        assert choice["text"].startswith(PROMPT) and logprobs["text_offset"][len(prompt_ids)] == len(PROMPT)
