@@ -323,7 +323,9 @@ def _request_factory(
 async def _echo_only(
     router: Router, served: ServedModel, body: CompletionBody, prompts: list[tuple[Prompt, str]], fmt: ResponseFormat
 ) -> Response[Any] | Stream:
-    """``max_tokens: 0`` with ``echo``: every choice is its prompt's text, nothing generated.
+    """``max_tokens: 0`` with ``echo`` and without ``logprobs``: every choice is its prompt's
+    text, nothing generated and nothing run (with ``logprobs`` the prompts go through the model,
+    :func:`_generate`, for their logprobs).
 
     Raises:
         APIError: 400 for a prompt that tokenizes to nothing or fails a limit of :meth:`Router.route`.
