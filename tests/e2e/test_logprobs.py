@@ -272,3 +272,41 @@ def test_seeded_n3_logprobs_follow_each_choice_own_tokens_with_the_echoed_prompt
         assert len(values) == len(prompt_ids) + len(output_ids) and values[0] is None
         assert_values_equal_hf(model, prompt_ids[:1], prompt_ids[1:] + output_ids, values[1:])
         assert choice["text"].startswith(PROMPT) and logprobs["text_offset"][len(prompt_ids)] == len(PROMPT)
+
+
+def test_a_streamed_echo_with_logprobs_and_n2_agrees_with_the_whole_response(openai_client) -> None:  # type: ignore[no-untyped-def]
+    args: dict[str, Any] = dict(model=GENERATE_MODEL, prompt=PROMPT, n=2, logprobs=1, max_tokens=4, temperature=0, echo=True)
+    whole = {c.index: c for c in openai_client.completions.create(**args).choices}
+    texts: dict[int, str] = {0: "", 1: ""}
+    offsets: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in openai_client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.logprobs:
+                offsets[c.index].extend(c.logprobs.text_offset)
+    for index, choice in whole.items():
+        assert texts[index] == choice.text and choice.text.startswith(PROMPT)
+        assert offsets[index] == choice.logprobs.text_offset and choice.logprobs.token_logprobs[0] is None
+
+
+def test_chat_n2_gives_each_choice_its_own_logprobs_content(openai_client, hf_causal_lm) -> None:  # type: ignore[no-untyped-def]
+    model, _ = hf_causal_lm
+    response = openai_client.chat.completions.create(
+        model=GENERATE_MODEL, messages=[{"role": "user", "content": "Name a colour."}], n=2, seed=3, temperature=1.0,
+        logprobs=True, top_logprobs=1, max_tokens=5, extra_body={"return_token_ids": True},
+    ).model_dump()
+    for choice in response["choices"]:
+        content = choice["logprobs"]["content"]
+        assert [item["bytes"] for item in content] == [list(item["token"].encode("utf-8")) for item in content]
+        assert_values_equal_hf(model, choice["prompt_token_ids"], choice["token_ids"], [item["logprob"] for item in content])
+
+
+def test_a_streamed_echo_max_tokens_zero_with_logprobs_sends_each_prompt_with_its_logprobs(openai_client) -> None:  # type: ignore[no-untyped-def]
+    prompts = [PROMPT, "One, two, three"]
+    args: dict[str, Any] = dict(model=GENERATE_MODEL, prompt=prompts, logprobs=0, max_tokens=0, echo=True)
+    whole = {c.index: c for c in openai_client.completions.create(**args).choices}
+    chunks = [c for chunk in openai_client.completions.create(stream=True, **args) for c in chunk.choices]
+    assert sorted(c.index for c in chunks) == [0, 1] and all(c.finish_reason == "length" for c in chunks)
+    for c in chunks:
+        assert c.text == prompts[c.index] == whole[c.index].text
+        assert c.logprobs.token_logprobs == pytest.approx(whole[c.index].logprobs.token_logprobs, abs=TOLERANCE)
