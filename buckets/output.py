@@ -13,7 +13,7 @@ Owned by the bucket's worker thread, like the scheduler; no locks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from buckets.errors import DeadlineExceededError
@@ -21,14 +21,32 @@ from buckets.request import ErrorEvent, TokenEvent
 from buckets.scheduler import Scheduler, StepPlan, StepResult
 from buckets.sequence import FinishReason, Sequence
 from models.detokenizer import IncrementalDetokenizer
+from models.step_io import TokenLogprobs
 
 
 @dataclass
 class _SequenceOutput:
-    """A live sequence and the detokenizer of its outputs."""
+    """A live sequence, the detokenizer of its outputs, and its prompt logprobs so far (of
+    positions 1 on, in order) until its first event carries them. The choices of one request
+    share the prompt logprobs' list: choice 0 alone computes the prompt, every choice returns them."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    has_emitted: bool = False
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        """Keep the entries of positions not held yet (a recompute after preemption repeats some)."""
+        skip = len(self.prompt_logprobs) + 1 - first_position
+        if skip >= 0:
+            self.prompt_logprobs.extend(entries[skip:])
+
+    def first_event_prompt_logprobs(self) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt logprobs the next event carries: all of them (the first position's
+        ``None``) on the first event of a request that asked, else ``None``."""
+        if self.has_emitted or not self.seq.request.needs_prompt_logprobs:
+            return None
+        return (None, *self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -57,9 +75,10 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         """Follow a sequence the scheduler has just queued, and its pending forks (the request's
         other choices)."""
+        prompt_logprobs: list[TokenLogprobs] = []  # one list: every choice returns the prompt's
         for choice in (seq, *seq.forks):
             detokenizer = IncrementalDetokenizer(self._tokenizer, choice.request.stop, choice.request.params.min_tokens)
-            self._outputs[choice.seq_id] = _SequenceOutput(choice, detokenizer)
+            self._outputs[choice.seq_id] = _SequenceOutput(choice, detokenizer, prompt_logprobs)
         self._open_choices[id(seq.request)] = 1 + len(seq.forks)
 
     def _close_choice(self, seq: Sequence) -> int:
@@ -87,16 +106,20 @@ class OutputProcessor:
     def process(self, result: StepResult) -> list[Sequence]:
         """Emit the step's events; return the sequences that ended (a stop string included).
 
-        Each new token gets a :class:`TokenEvent` with the text it released (the last one
-        carries ``finish_reason``). A sequence that ended without a new token was dropped: on
-        ``TIMEOUT`` it gets a last event with the text held back so far when it has outputs,
-        else an error event carrying :class:`DeadlineExceededError`; on ``CANCELLED`` nothing is
-        emitted (whoever cancelled it answers the client) and its admission ticket is released.
+        Each new token gets a :class:`TokenEvent` with the text it released and its logprobs
+        when asked (the last one carries ``finish_reason``; the first, the prompt logprobs when
+        asked); a ``max_tokens`` 0 sequence gets one event without tokens. A sequence that
+        ended without a new token was dropped: on ``TIMEOUT`` it gets a last event with the
+        text held back so far when it has outputs, else an error event carrying
+        :class:`DeadlineExceededError`; on ``CANCELLED`` nothing is emitted (whoever cancelled
+        it answers the client) and its admission ticket is released.
         """
         now = self._clock()
         ended: list[Sequence] = []
+        for seq_id, (first_position, entries) in result.prompt_logprobs.items():
+            self._outputs[seq_id].add_prompt_logprobs(first_position, entries)
         for seq_id, token_ids in result.new_token_ids.items():
-            seq = self._emit_tokens(seq_id, token_ids, result.finished.get(seq_id), now)
+            seq = self._emit_tokens(seq_id, token_ids, result.finished.get(seq_id), now, result.logprobs.get(seq_id, []))
             if seq is not None:
                 ended.append(seq)
         for seq_id, reason in result.finished.items():
@@ -119,7 +142,9 @@ class OutputProcessor:
                 seq.request.timeline["finished"] = now
                 seq.request.emit(ErrorEvent(error))
 
-    def _emit_tokens(self, seq_id: int, token_ids: list[int], reason: FinishReason | None, now: float) -> Sequence | None:
+    def _emit_tokens(
+        self, seq_id: int, token_ids: list[int], reason: FinishReason | None, now: float, logprobs: list[TokenLogprobs]
+    ) -> Sequence | None:
         """Detokenize, check stop strings and emit one token event; the sequence if it ended."""
         output = self._outputs[seq_id]
         seq, detokenizer = output.seq, output.detokenizer
@@ -135,11 +160,21 @@ class OutputProcessor:
             request.timeline["finished"] = now
             del self._outputs[seq_id]
             num_open = self._close_choice(seq)
-        request.emit(self._token_event(seq, text, token_ids, reason, num_open))
+        prompt_logprobs = output.first_event_prompt_logprobs()
+        output.has_emitted = True
+        request.emit(self._token_event(seq, text, token_ids, reason, num_open, tuple(logprobs), prompt_logprobs))
         return None if reason is None else seq
 
     @staticmethod
-    def _token_event(seq: Sequence, text: str, token_ids: list[int], reason: FinishReason | None, num_open: int) -> TokenEvent:
+    def _token_event(
+        seq: Sequence,
+        text: str,
+        token_ids: list[int],
+        reason: FinishReason | None,
+        num_open: int,
+        logprobs: tuple[TokenLogprobs, ...] = (),
+        prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None,
+    ) -> TokenEvent:
         return TokenEvent(
             text=text,
             token_ids=token_ids,
@@ -148,6 +183,8 @@ class OutputProcessor:
             num_completion_tokens=len(seq.output_token_ids),
             index=seq.index,
             num_open_choices=num_open,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _end_dropped(self, seq_id: int, reason: FinishReason, now: float) -> Sequence:

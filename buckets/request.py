@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from models.step_io import SamplingParams
+from models.step_io import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,11 @@ class TokenEvent:
     ``index`` is the choice (``0 .. n - 1`` of its request); ``num_completion_tokens`` counts that
     choice's tokens so far. ``num_open_choices`` is how many other choices of the request are
     still generating after this event: the request is over at a finished event with 0 left.
+
+    ``logprobs`` has one entry per id of ``token_ids`` when the request asked for logprobs
+    (``num_top_logprobs``), else none. ``prompt_logprobs`` is set on each choice's first event
+    of a request with ``needs_prompt_logprobs``: one entry per prompt token, the first ``None``
+    (nothing precedes it).
     """
 
     text: str
@@ -33,6 +38,8 @@ class TokenEvent:
     num_completion_tokens: int
     index: int = 0
     num_open_choices: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def ends_request(self) -> bool:
@@ -138,10 +145,16 @@ class Request:
 class GenerationRequest(Request):
     """A completion or chat request: prompt tokens in, a stream of :class:`TokenEvent` out.
 
-    ``max_tokens`` bounds new tokens of each choice; ``stop`` strings end generation (not
-    returned); ``ignore_eos`` keeps generating past end-of-sequence tokens (benchmarks use it).
+    ``max_tokens`` bounds new tokens of each choice (0: the prompt is computed and nothing is
+    generated, for its prompt logprobs); ``stop`` strings end generation (not returned);
+    ``ignore_eos`` keeps generating past end-of-sequence tokens (benchmarks use it).
     ``n`` choices continue from one prefill of the prompt (:class:`buckets.sequence.Sequence`
     forks), each with its own sampler state; their events carry the choice's ``index``.
+
+    ``num_top_logprobs`` (``None``: none) asks for each generated token's logprob with that
+    many alternatives (0 to 20); ``needs_prompt_logprobs`` also asks for the prompt tokens'
+    (with as many alternatives, on every choice), which the scheduler computes without the
+    prefix cache.
     """
 
     max_tokens: int = 16
@@ -149,6 +162,8 @@ class GenerationRequest(Request):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    num_top_logprobs: int | None = None
+    needs_prompt_logprobs: bool = False
 
     @property
     def num_seqs(self) -> int:

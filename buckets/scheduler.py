@@ -38,7 +38,7 @@ from buckets.block_manager import BlockManager
 from buckets.errors import KVCapacityError
 from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
-from models.step_io import ForwardInput, ForwardOutput, SequenceInput
+from models.step_io import ForwardInput, ForwardOutput, SequenceInput, TokenLogprobs
 from policies.deadlines import is_expired
 from policies.preemption import pick_victim
 from policies.priority import AgingPriorityQueue, priority_key
@@ -72,11 +72,19 @@ class StepResult:
     Fields:
         new_token_ids: tokens appended this step, by ``seq_id`` (one sampled token each; a
             sequence whose prefill chunk sampled nothing is absent).
+            A sequence with ``max_tokens`` 0 gets an empty list in the step its prompt is done.
         finished: sequences that ended, by ``seq_id``, with the reason; their blocks are freed.
+        logprobs: for sequences that asked (``num_top_logprobs``), one entry per new token.
+        prompt_logprobs: for sequences that asked (``needs_prompt_logprobs``), the prompt
+            positions computed this step: ``(first position, one entry per position on)``. A
+            preempted sequence recomputes positions it already reported; the output stage
+            keeps the first report.
     """
 
     new_token_ids: Mapping[int, list[int]] = field(default_factory=dict)
     finished: Mapping[int, FinishReason] = field(default_factory=dict)
+    logprobs: Mapping[int, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: Mapping[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -214,11 +222,14 @@ class Scheduler:
             if num_seats and num_seats + 1 + len(seq.forks) > self.settings.max_num_seqs:
                 break  # room for every choice of the request, or the whole room
             num_known = seq.num_tokens
-            num_cached = manager.num_cached_prefix_tokens(seq.block_hashes, num_known)
+            # Prompt logprobs need every prompt position's logits, which cached blocks lack:
+            # such a sequence skips the lookup and computes its whole prompt.
+            hashes = [] if seq.request.needs_prompt_logprobs else seq.block_hashes
+            num_cached = manager.num_cached_prefix_tokens(hashes, num_known)
             num_tokens = min(num_known - num_cached, budget)
-            if not manager.can_allocate(seq.block_hashes, num_known, num_cached + num_tokens):
+            if not manager.can_allocate(hashes, num_known, num_cached + num_tokens):
                 break
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, seq.block_hashes, num_known, num_cached + num_tokens)
+            seq.num_computed_tokens = manager.allocate(seq.seq_id, hashes, num_known, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
             self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
@@ -256,8 +267,9 @@ class Scheduler:
 
     def postprocess(self, plan: StepPlan, output: ForwardOutput) -> StepResult:
         """Record computed tokens, cache full blocks, append sampled tokens and finish the
-        sequences that reached an end-of-sequence token or ``max_tokens`` (freeing their blocks).
-        Called by the batcher after the forward of ``plan``."""
+        sequences that reached an end-of-sequence token or ``max_tokens`` (freeing their blocks;
+        a ``max_tokens`` 0 sequence ends once its prompt is computed). Called by the batcher
+        after the forward of ``plan``; the runner's logprobs pass through to the result."""
         new_token_ids: dict[int, list[int]] = {}
         finished: dict[int, FinishReason] = {}
         block_size = self.block_manager.block_size
@@ -268,7 +280,13 @@ class Scheduler:
                 self.block_manager.commit(seq.seq_id, seq.block_hashes, seq.num_computed_tokens)
             token_id = output.sampled_token_ids.get(seq.seq_id)
             if token_id is None:
-                self.counters.num_chunked_prefills += 1
+                if seq.request.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
+                    for choice in (*seq.forks, seq):  # pending forks end with it: nothing to generate
+                        new_token_ids[choice.seq_id] = []
+                        self._finish(choice, FinishReason.LENGTH)
+                        finished[choice.seq_id] = FinishReason.LENGTH
+                else:
+                    self.counters.num_chunked_prefills += 1
                 continue
             choices = [(seq, token_id)] + self._fork(seq, output) if seq.forks else [(seq, token_id)]
             for choice, choice_token_id in choices:
@@ -279,7 +297,13 @@ class Scheduler:
                 if reason is not None:
                     self._finish(choice, reason)
                     finished[choice.seq_id] = reason
-        return StepResult(new_token_ids, finished)
+        logprobs = {seq_id: [lp] for seq_id, lp in output.logprobs.items()}
+        prompt_logprobs = {
+            s.seq_id: (s.position + 1, output.prompt_logprobs[s.seq_id])
+            for s in plan.forward.sequences
+            if s.seq_id in output.prompt_logprobs
+        }
+        return StepResult(new_token_ids, finished, logprobs, prompt_logprobs)
 
     def _fork(self, parent: Sequence, output: ForwardOutput) -> list[tuple[Sequence, int]]:
         """Fork ``parent``'s pending choices off its just-prefilled prompt, before any of them
@@ -357,16 +381,23 @@ class Scheduler:
 
     def _input_of(self, seq: Sequence, num_tokens: int) -> SequenceInput:
         token_ids = seq.next_input_token_ids(num_tokens)
-        do_sample = seq.num_computed_tokens + len(token_ids) >= seq.num_tokens
+        position = seq.num_computed_tokens
+        request = seq.request
+        do_sample = request.max_tokens > 0 and position + len(token_ids) >= seq.num_tokens
         params = seq.params
-        in_prompt = seq.num_computed_tokens < len(seq.prompt_token_ids)
+        in_prompt = position < len(seq.prompt_token_ids)
+        prompt_targets: list[int] = []
+        if request.needs_prompt_logprobs and not seq.output_token_ids:  # once outputs exist, all were reported
+            prompt_targets = seq.token_ids_between(position + 1, min(position + len(token_ids) + 1, len(seq.prompt_token_ids)))
         return SequenceInput(
             seq_id=seq.seq_id,
             token_ids=token_ids,
-            position=seq.num_computed_tokens,
+            position=position,
             block_table=self.block_manager.block_table(seq.seq_id),
             do_sample=do_sample,
             params=params,
             forks=tuple((child.seq_id, child.params) for child in seq.forks) if do_sample else (),
             prompt_token_ids=seq.prompt_token_ids if params.uses_prompt_tokens and in_prompt else None,
+            num_top_logprobs=request.num_top_logprobs,
+            prompt_logprob_token_ids=prompt_targets,
         )

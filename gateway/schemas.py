@@ -13,6 +13,9 @@ from gateway.fields import FieldStatus, check_refused, field_statuses
 
 MAX_STOP_STRINGS = 4
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# OpenAI's bounds: completions' ``logprobs`` and chat's ``top_logprobs``.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
 
 
 def _encodable(text: str) -> str:
@@ -68,7 +71,7 @@ class EndpointBody(_Body):
 
 # Fields refused on both generation endpoints. The engineers implementing one move it out of
 # here (to a field of the body), one line per field.
-_REFUSED_GENERATION = frozenset({"logprobs"})
+_REFUSED_GENERATION: frozenset[str] = frozenset()
 # Accepted and dropped: a caller's label (user, safety_identifier), storage and billing
 # options of OpenAI's platform (metadata, store, service_tier), a cache hint (prompt_cache_key).
 _IGNORED_GENERATION = frozenset({"user"})
@@ -146,7 +149,9 @@ PromptField = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
 
 class CompletionBody(_SamplingBody):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16, as OpenAI's does; 0 only with
-    ``echo`` (checked by the route). Each prompt of a list becomes its own ``n`` choices."""
+    ``echo`` (checked by the route: the prompt alone comes back, with its logprobs when
+    ``logprobs`` is set). Each prompt of a list becomes its own ``n`` choices. ``logprobs``
+    (0 to 5): each token's logprob and that many alternatives."""
 
     openai_fields = (
         "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
@@ -157,6 +162,7 @@ class CompletionBody(_SamplingBody):
 
     prompt: PromptField
     max_tokens: StrictInt | None = Field(default=None, ge=0)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
     # Accepted only when it equals ``n`` (or is absent); the route refuses anything else.
     best_of: StrictInt | None = None
@@ -297,13 +303,26 @@ class ChatCompletionBody(_SamplingBody):
         "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
     )
     refused_fields = _REFUSED_GENERATION | {
-        "top_logprobs", "audio", "modalities", "prediction", "response_format", "tools", "tool_choice",
+        "audio", "modalities", "prediction", "response_format", "tools", "tool_choice",
         "functions", "function_call", "reasoning_effort", "verbosity", "web_search_options",
     }
     ignored_fields = _IGNORED_GENERATION | _IGNORED_CHAT
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    # ``logprobs: true``: each generated token's logprob, with ``top_logprobs`` (0 to 20) alternatives.
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionBody:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is given")
+        return self
+
+    def num_top_logprobs(self) -> int | None:
+        """Alternatives per token for the core (``None``: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # A token id in a body (a prompt or an embeddings input given as ids); the vocabulary bounds it later.

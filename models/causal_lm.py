@@ -7,9 +7,10 @@ it which sequences run, with which blocks, and which were released.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,9 +21,10 @@ from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import DECODER_FACTORIES, build_decoder
 from models.kv_cache import KVShape, PagedKVCache
 from models.logits_processors import SequenceHistory
+from models.logprobs import token_logprobs
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
-from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput
+from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput, TokenLogprobs
 
 
 class CausalLMRunner:
@@ -90,7 +92,10 @@ class CausalLMRunner:
         """Run one step: release ended sequences, forward all scheduled tokens packed, sample.
 
         Returns the sampled token for every sequence with ``do_sample`` and for each of its
-        ``forks`` (sampled from the same logits row, each with its own generator). The
+        ``forks`` (sampled from the same logits row, each with its own generator), its logprobs
+        for those with ``num_top_logprobs`` (a fork's from the row it sampled from), and prompt
+        logprobs for those with ``prompt_logprob_token_ids`` (all from the raw logits,
+        :mod:`models.logprobs`). A step where no sequence asks for logprobs computes none. The
         ``block_copies`` run first, so a fork's block holds its parent's KV before either writes.
         """
         for seq_id in batch.released_seq_ids:
@@ -102,25 +107,53 @@ class CausalLMRunner:
         # Single-token segments (decodes) go first: attention runs them in one paged call.
         ordered = sorted(batch.sequences, key=lambda s: len(s.token_ids) != 1)
         hidden = self._forward(ordered)
+        starts = list(itertools.accumulate((len(s.token_ids) for s in ordered), initial=0))
+        prompt_logprobs = self._prompt_logprobs(hidden, ordered, starts)
         rows: list[int] = []
-        sampling: list[tuple[int, SamplingParams, list[int] | None]] = []  # a fork shares its parent's prompt
-        end = 0
-        for seq in ordered:
-            end += len(seq.token_ids)
+        sampling: list[_Sampling] = []
+        for seq, end in zip(ordered, starts[1:]):
             if seq.do_sample:
                 for seq_id, params in ((seq.seq_id, seq.params), *seq.forks):
                     rows.append(end - 1)
-                    sampling.append((seq_id, params, seq.prompt_token_ids))
+                    sampling.append(_Sampling(seq_id, params, seq.num_top_logprobs, seq.prompt_token_ids))
         if not sampling:
-            return ForwardOutput(sampled_token_ids={})
+            return ForwardOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
         logits = self.lm_head(hidden[0, torch.tensor(rows, device=self.device)]).float()
-        generators = [self._generator(seq_id, params) for seq_id, params, _ in sampling]
-        histories = [self._history(seq_id, params, prompt) for seq_id, params, prompt in sampling]
-        tokens = sample(logits, [params for _, params, _ in sampling], generators, histories, self._eos_token_ids)
+        asking = [i for i, s in enumerate(sampling) if s.num_top_logprobs is not None]
+        # Indexing copies the rows, so logits processors that work in place cannot reach them.
+        raw = logits[torch.tensor(asking, device=self.device)] if asking else None
+        generators = [self._generator(s.seq_id, s.params) for s in sampling]
+        histories = [self._history(s) for s in sampling]
+        tokens = sample(logits, [s.params for s in sampling], generators, histories, self._eos_token_ids)
         for history, token in zip(histories, tokens):
             if history is not None:
                 history.output_token_ids.append(token)
-        return ForwardOutput(sampled_token_ids={seq_id: t for (seq_id, _, _), t in zip(sampling, tokens)})
+        logprobs: dict[int, TokenLogprobs] = {}
+        if raw is not None:
+            computed = token_logprobs(raw, [tokens[i] for i in asking], [sampling[i].num_top_logprobs or 0 for i in asking])
+            logprobs = {sampling[i].seq_id: lp for i, lp in zip(asking, computed)}
+        return ForwardOutput(
+            sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)}, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, ordered: list[SequenceInput], starts: list[int]
+    ) -> dict[int, list[TokenLogprobs]]:
+        """Logprobs of each sequence's ``prompt_logprob_token_ids`` from its rows of ``hidden``
+        (``[1, T, hidden_size]``), the LM head run on at most ``_PROMPT_LOGPROB_ROWS`` rows at
+        a time so a long prompt's logits never sit in memory whole."""
+        result: dict[int, list[TokenLogprobs]] = {}
+        for seq, start in zip(ordered, starts):
+            targets = seq.prompt_logprob_token_ids
+            if not targets:
+                continue
+            computed: list[TokenLogprobs] = []
+            for offset in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
+                chunk = targets[offset : offset + _PROMPT_LOGPROB_ROWS]
+                logits = self.lm_head(hidden[0, start + offset : start + offset + len(chunk)])
+                computed.extend(token_logprobs(logits, chunk, [seq.num_top_logprobs or 0] * len(chunk)))
+            result[seq.seq_id] = computed
+        return result
 
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
         """Run the forward once at each step shape so no request pays for compilation; returns
@@ -201,18 +234,31 @@ class CausalLMRunner:
             generator = self._generators[seq_id] = make_generator(params, self.device)
         return generator
 
-    def _history(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int] | None) -> SequenceHistory | None:
+    def _history(self, sampling: "_Sampling") -> SequenceHistory | None:
         """The sequence's token history when its sampling needs one (created at its first sample,
         with the prompt the scheduler sends along for ``repetition_penalty``), else ``None``.
         Sampled tokens are added by :meth:`run`; a preempted sequence keeps its history, so the
         outputs it recomputes are not counted twice."""
-        if not params.needs_history:
+        if not sampling.params.needs_history:
             return None
-        history = self._histories.get(seq_id)
+        history = self._histories.get(sampling.seq_id)
         if history is None:
-            history = self._histories[seq_id] = SequenceHistory(list(prompt_token_ids or []))
+            history = self._histories[sampling.seq_id] = SequenceHistory(list(sampling.prompt_token_ids or []))
         return history
 
+
+class _Sampling(NamedTuple):
+    """One token to sample in a step: a sequence's, or a fork's from its parent's last row."""
+
+    seq_id: int
+    params: SamplingParams
+    num_top_logprobs: int | None
+    prompt_token_ids: list[int] | None  # a fork's is its parent's: the prompt they share
+
+
+# Prompt positions whose logits are computed at once for prompt logprobs (49,152-token
+# vocabulary: 48 MiB of float32 logits).
+_PROMPT_LOGPROB_ROWS = 256
 
 # A decode in a warm-up step sits at this position: its context spans two blocks.
 _WARM_UP_DECODE_BLOCKS = 2

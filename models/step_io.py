@@ -80,7 +80,13 @@ class SequenceInput:
         params: sampling parameters.
         forks: ``(seq_id, params)`` of the sequences that fork off this one after its prompt's
             last chunk: each samples its own first token from this sequence's last logits row,
-            with its own sampler state (only with ``do_sample``).
+            with its own sampler state (only with ``do_sample``); they take this sequence's
+            ``num_top_logprobs``.
+        num_top_logprobs: ``None``: no logprobs; ``k`` (0 to 20): the sampled token's logprob
+            and the ``k`` most likely tokens' (see :mod:`models.logprobs`).
+        prompt_logprob_token_ids: the known tokens at positions ``position + 1`` on, whose
+            logprobs given the tokens before them the runner computes from this step's rows
+            ``0 .. len - 1`` (with ``num_top_logprobs`` alternatives); empty for most requests.
         prompt_token_ids: the whole prompt, sent with each chunk of the prompt's prefill when
             ``params.uses_prompt_tokens`` (the runner keeps it for ``repetition_penalty``; with
             prefix caching the chunks alone miss the cached part), else ``None``.
@@ -93,6 +99,8 @@ class SequenceInput:
     do_sample: bool
     params: SamplingParams
     forks: tuple[tuple[int, SamplingParams], ...] = ()
+    num_top_logprobs: int | None = None
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
 
 
@@ -117,8 +125,34 @@ class ForwardInput:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities, from the model's raw logits (natural log).
+
+    Fields:
+        token_id: the token at this position (sampled, or the prompt's).
+        logprob: its log-probability.
+        top: the most likely tokens at this position, ``(token_id, logprob)``, most likely
+            first (as many as the request asked for; ``token_id`` may be among them).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class ForwardOutput:
-    """The runner's result: one sampled token id for each sequence with ``do_sample``, and for
-    each of its ``forks``."""
+    """The runner's result.
+
+    Fields:
+        sampled_token_ids: one sampled token id for each sequence with ``do_sample``, and for
+            each of its ``forks``.
+        logprobs: the sampled token's :class:`TokenLogprobs`, for each sampling sequence with
+            ``num_top_logprobs`` set and each of its ``forks``.
+        prompt_logprobs: for each sequence with ``prompt_logprob_token_ids``, one
+            :class:`TokenLogprobs` per such token, in order.
+    """
 
     sampled_token_ids: dict[int, int]
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

@@ -38,7 +38,7 @@ from buckets.request import (
     TokenEvent,
 )
 from buckets.stats import BucketStats
-from models.step_io import SamplingParams
+from models.step_io import SamplingParams, TokenLogprobs
 
 Message = tuple[Any, ...]
 
@@ -62,6 +62,8 @@ def encode_request(request_no: int, request: Request) -> dict[str, Any]:
             stop=list(request.stop),
             ignore_eos=request.ignore_eos,
             n=request.n,
+            num_top_logprobs=request.num_top_logprobs,
+            needs_prompt_logprobs=request.needs_prompt_logprobs,
         )
     else:
         wire["kind"] = "embed"
@@ -87,15 +89,27 @@ def decode_request(wire: dict[str, Any], sink: Sink) -> Request:
             stop=tuple(wire["stop"]),
             ignore_eos=wire["ignore_eos"],
             n=wire["n"],
+            num_top_logprobs=wire["num_top_logprobs"],
+            needs_prompt_logprobs=wire["needs_prompt_logprobs"],
         )
     return EmbeddingRequest(**common)
 
 
+def _encode_logprobs(entry: TokenLogprobs | None) -> tuple[Any, ...] | None:
+    return None if entry is None else (entry.token_id, entry.logprob, [list(t) for t in entry.top])
+
+
+def _decode_logprobs(wire: tuple[Any, ...] | None) -> TokenLogprobs | None:
+    return None if wire is None else TokenLogprobs(wire[0], wire[1], tuple((int(i), float(v)) for i, v in wire[2]))
+
+
 def encode_event(event: RequestEvent) -> Message:
     if isinstance(event, TokenEvent):
+        prompt = None if event.prompt_logprobs is None else [_encode_logprobs(e) for e in event.prompt_logprobs]
         return (
             "token", event.text, list(event.token_ids), event.finish_reason, event.num_prompt_tokens,
             event.num_completion_tokens, event.index, event.num_open_choices,
+            [_encode_logprobs(e) for e in event.logprobs], prompt,
         )
     if isinstance(event, EmbeddingEvent):
         return ("embedding", list(event.embedding), event.num_prompt_tokens)
@@ -105,9 +119,12 @@ def encode_event(event: RequestEvent) -> Message:
 def decode_event(wire: Message) -> RequestEvent:
     kind = wire[0]
     if kind == "token":
+        logprobs = tuple(lp for lp in map(_decode_logprobs, wire[8]) if lp is not None)
+        prompt = None if wire[9] is None else tuple(_decode_logprobs(e) for e in wire[9])
         return TokenEvent(
             text=wire[1], token_ids=list(wire[2]), finish_reason=wire[3], num_prompt_tokens=wire[4],
             num_completion_tokens=wire[5], index=wire[6], num_open_choices=wire[7],
+            logprobs=logprobs, prompt_logprobs=prompt,
         )
     if kind == "embedding":
         return EmbeddingEvent(embedding=list(wire[1]), num_prompt_tokens=wire[2])

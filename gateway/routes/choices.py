@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from buckets.request import ErrorEvent, GenerationRequest, TokenEvent
 from gateway.engine import ServedModel
 from gateway.errors import invalid_request
+from gateway.logprobs_format import ChoiceLogprobs
 from gateway.router import Prompt
 from gateway.schemas import CompletionBody
 from gateway.streams import ChannelItem, EventChannel, Interrupt
@@ -90,13 +91,14 @@ class PromptSource:
 
 @dataclass
 class Choice:
-    """What one choice has generated so far."""
+    """What one choice has generated so far (and its logprobs, formatted as they come)."""
 
     index: int
     source: PromptSource
     pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None  # when the request asked for them
 
     @property
     def text(self) -> str:

@@ -16,6 +16,7 @@ from buckets.request import ErrorEvent, Request as CoreRequest, RequestEvent, To
 from gateway.access_log import note_outcome
 from gateway.engine import ServedModel
 from gateway.errors import APIError, deadline_exceeded, to_api_error
+from gateway.logprobs_format import choice_logprobs
 from gateway.outcome import outcome_of
 from gateway.response_format import ResponseFormat
 from gateway.routes.choices import Choice, PromptSource, make_choices, merged_events, record
@@ -108,12 +109,23 @@ def _usage_of(sources: list[PromptSource]) -> dict[str, int]:
     return _usage(sum(s.request.num_prompt_tokens for s in sources), sum(s.num_completion_tokens for s in sources))
 
 
+def _choices(served: ServedModel, sources: list[PromptSource], n: int, fmt: ResponseFormat) -> dict[int, Choice]:
+    """Every choice of the call by ``index``, each with its own logprobs view when asked."""
+    choices = make_choices(sources, n)
+    for choice in choices.values():
+        choice.logprobs = choice_logprobs(choice.source.request, served.loaded.tokenizer, is_chat=fmt is ResponseFormat.CHAT)
+    return choices
+
+
 def _choice_body(fmt: ResponseFormat, choice: Choice, echo: bool, return_token_ids: bool) -> dict[str, Any]:
     """One choice of a whole response; with ``echo`` the prompt's text comes first (the prompt's
-    token ids are ``choice.source.request.prompt_token_ids``)."""
+    token ids are ``choice.source.request.prompt_token_ids``), and with ``logprobs`` its
+    logprobs (the prompt's first, when echoed)."""
     text = choice.source.prompt_text + choice.text if echo else choice.text
     body = fmt.choice(text, choice.finish_reason)
     body["index"] = choice.index
+    if choice.logprobs is not None:
+        body["logprobs"] = choice.logprobs.whole()
     if return_token_ids:
         body.update(prompt_token_ids=choice.source.request.prompt_token_ids, token_ids=choice.token_ids)
     return body
@@ -139,7 +151,7 @@ async def collect_response(
     Raises:
         APIError: 500 when the core failed a request; 499 when the client hung up.
     """
-    choices = make_choices(sources, n)
+    choices = _choices(served, sources, n, fmt)
     failed: PromptSource | None = None
     try:
         async for source, item in merged_events(sources, firsts):
@@ -157,6 +169,8 @@ async def collect_response(
             choice.pieces.append(item.text)
             choice.token_ids.extend(item.token_ids)
             choice.finish_reason = item.finish_reason or choice.finish_reason
+            if choice.logprobs is not None:
+                choice.logprobs.add(item)
     finally:
         _finish_all(served, [s for s in sources if s is not failed], watch)
     body = _envelope(served, response_id, fmt, is_chunk=False)
@@ -211,11 +225,13 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 def _chunk(
     served: ServedModel, response_id: str, fmt: ResponseFormat, index: int, text: str | None, finish_reason: str | None,
-    has_role: bool = False,
+    has_role: bool = False, logprobs: dict[str, Any] | None = None,
 ) -> str:
     body = _envelope(served, response_id, fmt, is_chunk=True)
     choice = fmt.chunk_choice(text, finish_reason, has_role)
     choice["index"] = index
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     body["choices"] = [choice]
     return _sse(body)
 
@@ -236,14 +252,21 @@ async def stream_response(
     text delta of any choice, as they come, each choice's last one with its ``finish_reason``
     (``timeout`` for every unfinished choice when the deadline passed mid-generation);
     optionally one usage chunk over every choice; then ``data: [DONE]``. A client that
-    disconnects cancels every request of the call."""
-    choices = make_choices(sources, n)
+    disconnects cancels every request of the call.
+
+    With ``logprobs``, every event with tokens gets a chunk carrying those tokens' logprobs;
+    an ``echo`` choice's prompt text then begins its first such chunk, whose logprobs begin
+    with the prompt's."""
+    choices = _choices(served, sources, n, fmt)
     null_text = None if fmt is ResponseFormat.CHAT else ""
     include_usage_now = include_usage
+    echo_pending: dict[int, str] = {}  # the prompt text a choice's first chunk begins with
     try:
         for index, choice in sorted(choices.items()):
             if fmt is ResponseFormat.CHAT:
                 yield _chunk(served, response_id, fmt, index, "", None, has_role=True)
+            elif echo and choice.logprobs is not None:
+                echo_pending[index] = choice.source.prompt_text
             elif echo:
                 yield _chunk(served, response_id, fmt, index, choice.source.prompt_text, None)
         async for source, item in merged_events(sources, firsts):
@@ -255,7 +278,7 @@ async def stream_response(
                 for index, choice in sorted(choices.items()):
                     if choice.finish_reason is None:
                         choice.finish_reason = "timeout"
-                        yield _chunk(served, response_id, fmt, index, null_text, "timeout")
+                        yield _chunk(served, response_id, fmt, index, echo_pending.pop(index, null_text), "timeout")
                 break
             if isinstance(item, ErrorEvent):
                 yield _sse(to_api_error(item.error).body())
@@ -264,8 +287,13 @@ async def stream_response(
             assert isinstance(item, TokenEvent)
             choice = choices[source.first_index + item.index]
             choice.finish_reason = item.finish_reason
-            if item.text or item.finish_reason:
-                yield _chunk(served, response_id, fmt, choice.index, item.text, item.finish_reason)
+            if choice.logprobs is None:
+                if item.text or item.finish_reason:
+                    yield _chunk(served, response_id, fmt, choice.index, item.text, item.finish_reason)
+            elif item.text or item.finish_reason or item.token_ids:
+                text = echo_pending.pop(choice.index, "") + item.text
+                logprobs = choice.logprobs.chunk(item)
+                yield _chunk(served, response_id, fmt, choice.index, text, item.finish_reason, logprobs=logprobs)
         if include_usage_now:
             usage = _envelope(served, response_id, fmt, is_chunk=True)
             usage.update(choices=[], usage=_usage_of(sources))

@@ -149,7 +149,7 @@ class OpenAIController(Controller):
             raise invalid_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts = completion_prompts(served, body)
         fmt = ResponseFormat.COMPLETION
-        if max_tokens == 0:
+        if max_tokens == 0 and body.logprobs is None:  # the prompts alone: nothing to run
             return await _echo_only(request, router, served, body, prompts, fmt)
         budget: TokenBudget = lambda _: max_tokens  # noqa: E731
         return await _generate(request, router, served, body, prompts, budget, fmt, arrival_s, deadline_s)
@@ -378,7 +378,10 @@ def _request_factory(
     arrival_s: float,
     deadline_s: float | None,
 ) -> Callable[[list[int], int], GenerationRequest]:
-    """How the router builds one prompt's core request from its token ids and budget."""
+    """How the router builds one prompt's core request from its token ids and budget (with
+    ``echo`` and ``logprobs`` it asks for the prompt's logprobs too)."""
+    num_top_logprobs = body.logprobs if isinstance(body, CompletionBody) else body.num_top_logprobs()
+    echo = isinstance(body, CompletionBody) and body.echo
 
     def build(prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
         if params.min_tokens > max_tokens:
@@ -396,6 +399,8 @@ def _request_factory(
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
             n=body.n,
+            num_top_logprobs=num_top_logprobs,
+            needs_prompt_logprobs=echo and num_top_logprobs is not None,
         )
         request.timeline["arrival"] = arrival_s
         return request
@@ -407,7 +412,9 @@ async def _echo_only(
     http_request: Request[Any, Any, Any], router: Router, served: ServedModel, body: CompletionBody,
     prompts: list[tuple[Prompt, str]], fmt: ResponseFormat,
 ) -> Response[Any] | Stream:
-    """``max_tokens: 0`` with ``echo``: every choice is its prompt's text, nothing generated.
+    """``max_tokens: 0`` with ``echo`` and without ``logprobs``: every choice is its prompt's
+    text, nothing generated and nothing run (with ``logprobs`` the prompts go through the model,
+    :func:`_generate`, for their logprobs).
 
     Raises:
         APIError: 400 for a prompt that tokenizes to nothing or fails a limit of :meth:`Router.route`.

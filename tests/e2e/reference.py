@@ -1,4 +1,4 @@
-"""Hugging Face references: greedy generation alone, and the near-tie rule for float order."""
+"""Hugging Face references: greedy generation alone, logprobs, and the near-tie rule for float order."""
 
 from __future__ import annotations
 
@@ -36,3 +36,11 @@ def assert_greedy_close(model: Any, prompt_ids: list[int], got: list[int], want:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     gap = abs(float(logprobs[got[pos]] - logprobs[want[pos]]))
     assert gap < NEAR_TIE_LOGPROB, f"token {pos} differs ({got[pos]} vs {want[pos]}) with logprob gap {gap:.2e}"
+
+
+@torch.inference_mode()
+def reference_logprobs(model: Any, token_ids: list[int]) -> torch.Tensor:
+    """``log_softmax`` of HF's float32 logits of ``token_ids`` run alone: ``[len, vocab_size]``,
+    row ``i`` the distribution of the token after position ``i``."""
+    logits = model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)

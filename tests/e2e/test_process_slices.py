@@ -115,6 +115,21 @@ def test_a_process_slice_serves_what_a_thread_slice_does(server: tuple[str, Path
     assert models["buckets"][0]["backend"]["running"] == "eager"
 
 
+def test_logprobs_cross_the_worker_pipe_as_a_thread_slice_computes_them(server: tuple[str, Path]) -> None:
+    url, _ = server
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    logprobs = {}
+    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+        for suffix in ("", "-thread"):
+            response = client.post("/v1/completions", json={**body, "model": GENERATE_MODEL + suffix})
+            assert response.status_code == 200, response.text
+            logprobs[suffix] = response.json()["choices"][0]["logprobs"]
+    ours, theirs = logprobs[""], logprobs["-thread"]
+    assert ours["tokens"] == theirs["tokens"] and ours["token_logprobs"][0] is None
+    assert max(abs(a - b) for a, b in zip(ours["token_logprobs"][1:], theirs["token_logprobs"][1:])) < 1e-5
+    assert [sorted(t) for t in ours["top_logprobs"][1:]] == [sorted(t) for t in theirs["top_logprobs"][1:]]
+
+
 async def _long_request(client: httpx.AsyncClient, stream: bool) -> tuple[int, str]:
     """Status and body (the SSE text when streamed) of a long generation."""
     if not stream:

@@ -54,7 +54,7 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
 ENGINE_PUBLIC_API = frozenset({
     "gateway.engine", "gateway.config", "gateway.build", "gateway.memory",
     "gateway.cli", "gateway.gate", "gateway.gate_process",
-    "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io",
+    "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io", "models.logprobs",
     "buckets.continuous", "buckets.dynamic", "buckets.request", "buckets.settings", "buckets.stats",
     "policies.tuning",
 })

@@ -24,6 +24,7 @@ class FakeServed:
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(name="m")
+        self.loaded = SimpleNamespace(tokenizer=None)  # no request here asks for logprobs
         self.finished: list[tuple[int, str]] = []
 
     def finish(self, request: Any, completion_tokens: int, outcome: str) -> None:
@@ -76,7 +77,8 @@ def test_a_streamed_deadline_mid_generation_sends_the_held_back_text() -> None:
         watch = RequestWatch([request], [channel], request.deadline_s, None, backstop_s=60.0)
         await _until(lambda: watch.reason is not None)
         channel.sink(_token(" there", 2, finish_reason="timeout"))
-        return [chunk async for chunk in stream_response(served, "cmpl-1", [PromptSource(request, channel, "", 0)], [first], 1, ResponseFormat.COMPLETION, False, watch)]
+        sources = [PromptSource(request, channel, "", 0)]
+        return [chunk async for chunk in stream_response(served, "cmpl-1", sources, [first], 1, ResponseFormat.COMPLETION, False, watch)]
 
     chunks = asyncio.run(run())
     assert '" there"' in chunks[-2] and '"timeout"' in chunks[-2] and chunks[-1] == "data: [DONE]\n\n"
