@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 
 from tests.e2e.conftest import GENERATE_MODEL
 
@@ -49,7 +48,6 @@ def test_batch_answers_each_question_as_alone(server_url: str, openai_client: An
     assert [a.content for a in answers] == [sdk_answer(openai_client, q) for q in QUESTIONS]
 
 
-@pytest.mark.xfail(strict=True, reason="chat logprobs is engineer L's part of issue 14; enable (drop this mark) at the merge")
 def test_logprobs_come_back_per_token(server_url: str) -> None:
     message = chat_model(server_url, logprobs=True).invoke(QUESTIONS[0])
     content = message.response_metadata["logprobs"]["content"]
