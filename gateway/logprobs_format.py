@@ -6,7 +6,10 @@
   ``text_offset`` (each token's character offset into the choice's text, echoed prompt
   included). With ``echo``, the prompt's first token has ``null`` logprob and alternatives.
 - Chat (``logprobs: true``, ``top_logprobs: k``, ``chat_completion_token_logprob.py``):
-  ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}] * k}]}``.
+  ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}] * k}]}``, one
+  entry per token of the message's content: a special token the content leaves out (the
+  end-of-turn token that ended it) has none, as OpenAI's chat answers show none, so the entries'
+  tokens join to the content.
 
 A token's text is its own decoding (special tokens spelled out), as vLLM's ``decoded_token``;
 ``bytes`` are the UTF-8 bytes of that text. Text offsets add up these texts' lengths, as vLLM's
@@ -35,6 +38,7 @@ class LogprobsFormatter:
         self._tokenizer = tokenizer
         self._num_top = num_top
         self._texts: dict[int, str] = {}
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self._offset_chars = 0  # characters of the choice's text before the next token
 
     def token_text(self, token_id: int) -> str:
@@ -64,6 +68,8 @@ class LogprobsFormatter:
         """The chat form of the next tokens: ``{"content": [...]}``."""
         content = []
         for entry in entries:
+            if entry.token_id in self._special_ids:
+                continue
             item = self._chat_item(entry.token_id, entry.logprob)
             item["top_logprobs"] = [self._chat_item(token_id, value) for token_id, value in entry.top[: self._num_top]]
             content.append(item)

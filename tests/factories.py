@@ -38,6 +38,8 @@ class FakeTokenizer:
     ``EOS`` decodes to ``</s>`` and is dropped with ``skip_special_tokens``.
     """
 
+    all_special_ids = [EOS]
+
     def __init__(self, pieces: dict[int, str] | None = None) -> None:
         self.pieces = pieces or {}
 

@@ -233,6 +233,7 @@ def test_a_killed_gate_child_leaves_its_bucket_on_eager_and_the_gateways_stop_en
 ) -> None:
     data = config_data(fresh_cache_dir(tmp_path))
     data["models"][0]["buckets"] = [BUCKET, {**BUCKET, "max_input_tokens": 64}]
+    data["models"][0]["max_model_len"] = 64
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
     log_path = tmp_path / "server.log"

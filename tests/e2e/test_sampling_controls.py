@@ -228,7 +228,7 @@ def test_runner_penalty_history_survives_a_recompute_and_a_cached_prefix(hf_caus
     tables = {1: list(range(0, 8)), 2: list(range(8, 16)), 3: [0] + list(range(16, 23))}
 
     def step(seq_id: int, tokens: list[int], position: int, with_prompt: bool) -> int:
-        seq = SequenceInput(seq_id, tokens, position, tables[seq_id], True, params, prompt if with_prompt else None)
+        seq = SequenceInput(seq_id, tokens, position, tables[seq_id], True, params, prompt_token_ids=prompt if with_prompt else None)
         return runner.run(ForwardInput([seq])).sampled_token_ids[seq_id]
 
     def decode(seq_id: int, outputs: list[int], until: int) -> list[int]:

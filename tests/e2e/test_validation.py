@@ -29,7 +29,7 @@ EDITS: list[dict[str, Any]] = [
     {"model": "\ud800"}, {"max_tokens": -1}, {"max_tokens": "16"}, {"max_tokens": 1e308}, {"max_tokens": 10**30},
     {"max_tokens": 0.5}, {"temperature": "0"}, {"temperature": 1e308}, {"top_p": []},
     {"top_k": -5}, {"seed": 2**70}, {"stop": {"a": 1}}, {"stop": [None]}, {"n": 100}, {"stream": "true"},
-    {"stream_options": []}, {"stream_options": {"include_usage": True}}, {"logprobs": 2}, {"tools": [{"type": "function"}]}, {"stream_options": {"include_usage": 1}}, {"priority": "high"}, {"priority": 1001},
+    {"stream_options": []}, {"stream_options": {"include_usage": True}}, {"logprobs": 6}, {"tools": [{"type": "function"}]}, {"stream_options": {"include_usage": 1}}, {"priority": "high"}, {"priority": 1001},
     {"priority": -1001}, {"priority": 1.5}, {"timeout": 0}, {"timeout": -1}, {"timeout": "5"}, {"timeout": 1e308},
     {"prompt": None}, {"prompt": ""}, {"prompt": ["Hi", 3]}, {"prompt": {"text": "Hi"}}, {"prompt": "\udfff"},
     {"messages": {}}, {"messages": []}, {"messages": [None]}, {"messages": [{"role": "user", "content": {"a": 1}}]},

@@ -264,5 +264,13 @@ def test_chat_form_has_token_logprob_bytes_and_exactly_top_logprobs_alternatives
     ]}
 
 
+def test_chat_content_has_no_entry_for_the_end_of_turn_token_its_text_leaves_out() -> None:
+    formatter = LogprobsFormatter(FakeTokenizer({1: "Hi", 2: "!"}), num_top=0)
+    content = formatter.chat([TokenLogprobs(1, -0.5), TokenLogprobs(2, -0.2), TokenLogprobs(EOS, -0.1)])["content"]
+    assert [item["token"] for item in content] == ["Hi", "!"]
+    completion = formatter.completion([1, EOS], [TokenLogprobs(1, -0.5), TokenLogprobs(EOS, -0.1)])
+    assert completion["tokens"] == ["Hi", "</s>"]  # completions keep it, as OpenAI's legacy answers did
+
+
 def test_a_request_without_logprobs_has_no_view() -> None:
     assert choice_logprobs(request([1], num_top=None), FakeTokenizer(), is_chat=True) is None
