@@ -68,7 +68,7 @@ def config_data(cache_dir: Path, way: str, args: argparse.Namespace) -> dict[str
     gate = {"repeats": args.gate_repeats, "candidates": args.candidates.split(","), "run_at_start": way != "none"}
     return {
         "cache_dir": str(cache_dir), "slices": [{"name": "cpu0", "device": "cpu", "num_threads": args.num_threads}],
-        "models": [{"name": MODEL, "source": SOURCE, "task": "embed", "max_model_len": 512, "buckets": [bucket]}],
+        "models": [{"name": MODEL, "source": SOURCE, "task": "embed", "max_model_len": 32, "buckets": [bucket]}],
         "gate": gate,
     }
 

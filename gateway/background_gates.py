@@ -78,6 +78,10 @@ class SliceIdleGuard:
         self.num_discarded = 0
         self._discards_logged_at: float | None = None
 
+    def is_idle(self) -> bool:
+        """Whether the slice serves nothing now (the gate's child may run)."""
+        return self._is_idle()
+
     def wait_until_idle(self) -> None:
         """Block until the slice is idle.
 

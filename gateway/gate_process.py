@@ -11,7 +11,12 @@ inductor cache, by default one folder per user under the temp dir, is shared the
 
 Its idle guard (:class:`PipeIdleGuard`) asks the gate thread over a pipe, which answers with the
 gateway's :class:`~gateway.background_gates.SliceIdleGuard`, so rounds still pause while the
-slice serves. Messages, child -> gateway: ``("wait_idle",)``, ``("disturbed",)``,
+slice serves. The builds cannot pause that way, and a low priority alone does not keep them off
+the slice's cores (two vCPUs may be one core's two hyperthreads, where a sibling at nice 19
+still halves the other's speed), so the whole child is paused: the gate thread stops it
+(``SIGSTOP``) whenever the slice has work and continues it (``SIGCONT``) when the slice is idle
+again (:class:`ChildPauser`); a timed round it interrupts is measured again, like any disturbed
+one. Messages, child -> gateway: ``("wait_idle",)``, ``("disturbed",)``,
 ``("done", record)``, ``("failed", error)``; gateway -> child: ``("idle",)``, ``("cancel",)``,
 ``("disturbed", bool)``. The child exits when the gateway goes away (end of file on the pipe, or
 its parent changed); :func:`measure_in_child` ends it when the gateway stops.
@@ -28,7 +33,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -41,6 +46,61 @@ GATE_NICE = 19
 POLL_S = 0.05
 END_GRACE_S = 1.0
 PARENT_WATCH_S = 1.0
+
+
+class SliceGuard(IdleGuard, Protocol):
+    """The gate thread's guard of a slice: :class:`IdleGuard`, and whether the slice is idle now."""
+
+    def is_idle(self) -> bool:
+        """Whether the slice serves nothing now."""
+
+
+class ChildPauser:
+    """Keeps a gate's child process stopped while its slice has work: :meth:`update` stops it
+    (``SIGSTOP``) when ``is_idle()`` is false and continues it (``SIGCONT``) when it is true
+    again, logging ``gate_child_paused`` once per pause and ``gate_child_resumed`` with its
+    ``paused_s``; :meth:`resume` continues it for good (before it is ended or reaped). Signals
+    to a process that has exited already are ignored.
+
+    Args:
+        pid: the child's process id.
+        is_idle: whether the slice serves nothing now (thread-safe).
+        fields: log fields (model, bucket).
+    """
+
+    def __init__(self, pid: int, is_idle: Any, fields: dict[str, Any]) -> None:
+        self._pid = pid
+        self._is_idle = is_idle
+        self._fields = fields
+        self._paused_at: float | None = None
+        self.num_pauses = 0
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def update(self) -> None:
+        idle = self._is_idle()
+        if not idle and self._paused_at is None and self._signal(signal.SIGSTOP):
+            self._paused_at = time.monotonic()
+            self.num_pauses += 1
+            log.info("gate_child_paused", **self._fields, reason="requests on the slice")
+        elif idle:
+            self.resume()
+
+    def resume(self) -> None:
+        if self._paused_at is None:
+            return
+        self._signal(signal.SIGCONT)
+        log.info("gate_child_resumed", **self._fields, paused_s=round(time.monotonic() - self._paused_at, 3))
+        self._paused_at = None
+
+    def _signal(self, signum: int) -> bool:
+        try:
+            os.kill(self._pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 class GateChildError(Exception):
@@ -111,13 +171,17 @@ class PipeIdleGuard:
         return reply
 
 
-def serve_guard(conn: Connection, guard: IdleGuard, alive: Any, stopping: threading.Event) -> dict[str, Any]:
+def serve_guard(
+    conn: Connection, guard: IdleGuard, alive: Any, stopping: threading.Event, pauser: ChildPauser | None = None
+) -> dict[str, Any]:
     """Answer the child's guard questions at the other end of ``conn`` with ``guard`` until it
     sends its record, and return the record.
 
     Args:
         alive: called when the pipe is quiet: whether the child still runs.
         stopping: set when the gateway stops.
+        pauser: updated whenever the pipe is quiet for ``POLL_S`` (the child builds or times a
+            round): it stops the child while the slice has work.
     Raises:
         GateCancelledError: ``stopping`` was set (the child was told, when it was waiting).
         GateChildError: the child failed, or exited (crashed, killed) without a record.
@@ -128,7 +192,11 @@ def serve_guard(conn: Connection, guard: IdleGuard, alive: Any, stopping: thread
         if not conn.poll(POLL_S):
             if not alive() and not conn.poll():
                 raise GateChildError("the gate's child process exited without a record")
+            if pauser is not None:
+                pauser.update()
             continue
+        if pauser is not None:
+            pauser.resume()  # a message stopped half-written would block the read below
         try:
             message = conn.recv()
         except (EOFError, OSError) as exc:
@@ -149,10 +217,11 @@ def serve_guard(conn: Connection, guard: IdleGuard, alive: Any, stopping: thread
             raise GateChildError(f"the gate's child process failed: {message[1]}")
 
 
-def measure_in_child(task: GateTask, guard: IdleGuard, stopping: threading.Event) -> dict[str, Any]:
+def measure_in_child(task: GateTask, guard: SliceGuard, stopping: threading.Event) -> dict[str, Any]:
     """Run ``task``'s gate in a child process (:func:`run_gate_child`), answering its guard with
-    ``guard``; return the record it saved. The child is ended (terminated, then killed) before
-    this returns or raises, so none outlives it.
+    ``guard`` and keeping it stopped while the slice has work (:class:`ChildPauser`); return the
+    record it saved. The child is continued and ended (terminated, then killed) before this
+    returns or raises, so none outlives it.
 
     Raises:
         GateCancelledError: ``stopping`` was set.
@@ -165,12 +234,15 @@ def measure_in_child(task: GateTask, guard: IdleGuard, stopping: threading.Event
     theirs.close()
     fields = {"model": task.model["name"], "bucket": task.bucket_name}
     log.info("gate_child_started", **fields, pid=process.pid)
+    assert process.pid is not None  # started
+    pauser = ChildPauser(process.pid, guard.is_idle, fields)
     try:
-        return serve_guard(ours, guard, process.is_alive, stopping)
+        return serve_guard(ours, guard, process.is_alive, stopping, pauser)
     except GateChildError as exc:
         process.join(END_GRACE_S)
         raise GateChildError(f"{exc} (exit code {process.exitcode})") from None
     finally:
+        pauser.resume()
         end_process(process)
         ours.close()
         log.info("gate_child_ended", **fields, pid=process.pid, exit_code=process.exitcode)

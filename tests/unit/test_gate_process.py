@@ -8,6 +8,8 @@ the other)."""
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gateway.gate_process import GateChildError, PipeIdleGuard, end_process, serve_guard
+from gateway.gate_process import ChildPauser, GateChildError, PipeIdleGuard, end_process, serve_guard
 from models.backends.measure import GateCancelledError
 
 
@@ -117,3 +119,62 @@ def test_a_child_that_does_not_exit_is_terminated_and_reaped() -> None:
     process.start()
     end_process(process, grace_s=0.1)
     assert not process.is_alive() and process.exitcode is not None and process.exitcode < 0
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from ``/proc`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_pauser_stops_the_child_while_the_slice_has_work_and_continues_it_after() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        idle = [False]
+        pauser = ChildPauser(child.pid, lambda: idle[0], {"bucket": "le32"})
+        pauser.update()
+        assert pauser.paused and _until(lambda: _state(child.pid) == "T")
+        pauser.update()  # still busy: one pause, not two
+        assert pauser.num_pauses == 1
+        idle[0] = True
+        pauser.update()
+        assert not pauser.paused and _until(lambda: _state(child.pid) != "T")
+        idle[0] = False
+        pauser.update()
+        pauser.resume()  # the gate ends: continued for good
+        assert not pauser.paused and _until(lambda: _state(child.pid) != "T") and pauser.num_pauses == 2
+    finally:
+        child.kill()
+        child.wait()
+    gone = ChildPauser(child.pid, lambda: False, {})
+    gone.update()  # the process has exited: nothing to stop, no error
+    assert not gone.paused
+
+
+def test_a_message_from_the_child_continues_it_before_it_is_read() -> None:
+    class RecordingPauser(ChildPauser):
+        def __init__(self) -> None:
+            super().__init__(0, lambda: False, {})
+            self.calls: list[str] = []
+
+        def update(self) -> None:
+            self.calls.append("update")
+
+        def resume(self) -> None:
+            self.calls.append("resume")
+
+    pauser = RecordingPauser()
+    conn, thread, errors = run_child(lambda guard, end: end.send(("done", {"chosen": "eager"})))
+    assert serve_guard(conn, ScriptedGuard([]), thread.is_alive, threading.Event(), pauser) == {"chosen": "eager"}
+    thread.join()
+    assert pauser.calls and pauser.calls[-1] == "resume" and not errors
