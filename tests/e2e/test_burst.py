@@ -1,6 +1,6 @@
 """Refusals that stay fast under a burst: 400 completions at once into a bucket whose queue holds
-16 get only 200s and 429s; the server answers the 429s within 0.5 s (p99), and the requests it
-admitted complete as they would alone.
+16 get only 200s and 429s; the 429s arrive within 0.5 s (p99) of being sent, as the client sees
+them, and the requests admitted complete as they would alone.
 
 The server runs the default config's generation buckets (``le256`` with ``max_num_seqs`` 32,
 ``le2048``) with ``le256``'s ``max_queue_len`` at 16. The burst is sent by
@@ -10,12 +10,13 @@ work is microseconds per request, so the times it sees are the server's; 400
 ``httpx.AsyncClient`` in this process cost 3 to 5 times the server's time by themselves (a burst
 of 404s, no model work: p99 0.12-0.22 s through them, 0.04-0.06 s through this client).
 
-The bound is asserted on the server's own time per 429 (``answer_ms`` of its ``http_request``
-log event, from the whole request received to the response's start). The clients' times are
-printed beside it with a burst of 404s: they include the event loop's wait for a core, which the
-admitted requests' worker and, on a shared machine, every other process take from it. Through
-this client their p99 measured 0.05-0.15 s at a load average under 1 on 2 cores, and 0.08-0.6 s
-at 11 to 16 (the 404s' 0.05-0.26 s), too close to the bound to assert here.
+The bound is asserted on the clients' times and on the server's own time per 429 (``answer_ms``
+of its ``http_request`` log event, from the whole request received to the response's start);
+both are printed with a burst of 404s for comparison. The clients' times include the event
+loop's wait for a core, which the admitted requests' worker and, on a shared machine, every
+other process take from it: through this client their p99 measured 0.085-0.136 s on a quiet
+2-vCPU machine (the 404s' 0.057-0.086 s), but 0.08-0.6 s while other test suites loaded it to a
+load average of 11 to 16, so this test wants the machine to itself, as ``make test`` runs it.
 """
 
 from __future__ import annotations
@@ -108,3 +109,4 @@ def test_a_burst_gets_only_200_and_429_and_the_429s_are_fast(burst_server: tuple
         f"{percentile(baseline_s, 0.5):.3f}/{percentile(baseline_s, 0.99):.3f} s"
     )
     assert percentile(server_s, 0.99) < MAX_429_P99_S, sorted(server_s)
+    assert percentile(client_s, 0.99) < MAX_429_P99_S, sorted(client_s)
