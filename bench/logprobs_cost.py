@@ -58,7 +58,7 @@ def decode_cost(loaded: Any, num_seqs: int, prompt_tokens: int, num_steps: int, 
     times_ms: dict[bool, list[float]] = {False: [], True: []}
     for step in range(2 * num_steps):
         asks = step % 2 == 1
-        inputs = [SequenceInput(i, [last[i]], position, tables[i], True, GREEDY, num_top if asks else None) for i in range(num_seqs)]
+        inputs = [SequenceInput(i, [last[i]], position, tables[i], True, GREEDY, num_top_logprobs=num_top if asks else None) for i in range(num_seqs)]
         started = time.perf_counter()
         out = runner.run(ForwardInput(inputs))
         times_ms[asks].append((time.perf_counter() - started) * 1000)
@@ -76,7 +76,10 @@ def prefill_cost(loaded: Any, num_seqs: int, prompt_tokens: int, repeats: int, n
     for step in range(2 * repeats):
         asks = step % 2 == 1
         inputs = [
-            SequenceInput(i, p, 0, tables[i], True, GREEDY, num_top if asks else None, p[1:] if asks else [])
+            SequenceInput(
+                i, p, 0, tables[i], True, GREEDY, num_top_logprobs=num_top if asks else None,
+                prompt_logprob_token_ids=p[1:] if asks else [],
+            )
             for i, p in enumerate(prompts)
         ]
         started = time.perf_counter()

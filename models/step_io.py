@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 
 GREEDY_TEMPERATURE = 1e-5
@@ -98,6 +98,7 @@ class SequenceInput:
     block_table: list[int]
     do_sample: bool
     params: SamplingParams
+    _: KW_ONLY  # the optional fields below are named at every call site
     forks: tuple[tuple[int, SamplingParams], ...] = ()
     num_top_logprobs: int | None = None
     prompt_logprob_token_ids: list[int] = field(default_factory=list)

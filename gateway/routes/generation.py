@@ -236,6 +236,40 @@ def _chunk(
     return _sse(body)
 
 
+def _opening_chunks(
+    served: ServedModel, response_id: str, choices: dict[int, Choice], fmt: ResponseFormat, echo: bool
+) -> tuple[list[str], dict[int, str]]:
+    """The chunks that open a stream's choices, in ``index`` order (a chat choice's role, an
+    ``echo`` choice's prompt text), and the prompt text of each ``echo`` choice with logprobs,
+    which begins its first chunk with tokens instead."""
+    chunks: list[str] = []
+    echo_pending: dict[int, str] = {}
+    for index, choice in sorted(choices.items()):
+        if fmt is ResponseFormat.CHAT:
+            chunks.append(_chunk(served, response_id, fmt, index, "", None, has_role=True))
+        elif echo and choice.logprobs is not None:
+            echo_pending[index] = choice.source.prompt_text
+        elif echo:
+            chunks.append(_chunk(served, response_id, fmt, index, choice.source.prompt_text, None))
+    return chunks, echo_pending
+
+
+def _token_chunk(
+    served: ServedModel, response_id: str, fmt: ResponseFormat, choice: Choice, item: TokenEvent, echo_pending: dict[int, str]
+) -> str | None:
+    """The chunk of one token event of ``choice`` (``None`` when it has nothing to send), with
+    its tokens' logprobs when the choice asked; its finish reason noted on the choice."""
+    choice.finish_reason = item.finish_reason
+    if choice.logprobs is None:
+        if item.text or item.finish_reason:
+            return _chunk(served, response_id, fmt, choice.index, item.text, item.finish_reason)
+        return None
+    if not (item.text or item.finish_reason or item.token_ids):
+        return None
+    text = echo_pending.pop(choice.index, "") + item.text
+    return _chunk(served, response_id, fmt, choice.index, text, item.finish_reason, logprobs=choice.logprobs.chunk(item))
+
+
 async def stream_response(
     served: ServedModel,
     response_id: str,
@@ -260,15 +294,10 @@ async def stream_response(
     choices = _choices(served, sources, n, fmt)
     null_text = None if fmt is ResponseFormat.CHAT else ""
     include_usage_now = include_usage
-    echo_pending: dict[int, str] = {}  # the prompt text a choice's first chunk begins with
     try:
-        for index, choice in sorted(choices.items()):
-            if fmt is ResponseFormat.CHAT:
-                yield _chunk(served, response_id, fmt, index, "", None, has_role=True)
-            elif echo and choice.logprobs is not None:
-                echo_pending[index] = choice.source.prompt_text
-            elif echo:
-                yield _chunk(served, response_id, fmt, index, choice.source.prompt_text, None)
+        opening, echo_pending = _opening_chunks(served, response_id, choices, fmt, echo)
+        for chunk in opening:
+            yield chunk
         async for source, item in merged_events(sources, firsts):
             record(source, item)
             if isinstance(item, Interrupt) and item.reason is InterruptReason.DISCONNECTED:
@@ -285,15 +314,9 @@ async def stream_response(
                 include_usage_now = False
                 break
             assert isinstance(item, TokenEvent)
-            choice = choices[source.first_index + item.index]
-            choice.finish_reason = item.finish_reason
-            if choice.logprobs is None:
-                if item.text or item.finish_reason:
-                    yield _chunk(served, response_id, fmt, choice.index, item.text, item.finish_reason)
-            elif item.text or item.finish_reason or item.token_ids:
-                text = echo_pending.pop(choice.index, "") + item.text
-                logprobs = choice.logprobs.chunk(item)
-                yield _chunk(served, response_id, fmt, choice.index, text, item.finish_reason, logprobs=logprobs)
+            chunk = _token_chunk(served, response_id, fmt, choices[source.first_index + item.index], item, echo_pending)
+            if chunk is not None:
+                yield chunk
         if include_usage_now:
             usage = _envelope(served, response_id, fmt, is_chunk=True)
             usage.update(choices=[], usage=_usage_of(sources))

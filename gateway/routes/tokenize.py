@@ -15,7 +15,7 @@ from gateway.engine import ServedModel
 from gateway.errors import model_not_found
 from gateway.prompts import Piece
 from gateway.router import MAX_INLINE_PROMPT_TOKENS, Router
-from gateway.routes.openai import check_token_ids, parse_body
+from gateway.routes.bodies import check_token_ids, parse_body
 from gateway.schemas import DetokenizeBody, TokenizeBody
 
 

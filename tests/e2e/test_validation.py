@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.errors import APIError
-from gateway.routes.openai import resolve_max_tokens
+from gateway.routes.bodies import resolve_max_tokens
 from tests.e2e.conftest import EMBED_MODEL, GENERATE_MODEL
 
 ENDPOINTS = {
