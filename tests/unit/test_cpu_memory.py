@@ -30,7 +30,8 @@ def thawed_after() -> Iterator[None]:
 def test_frozen_objects_are_skipped_by_collections_and_freed_by_release_memory(thawed_after: None) -> None:
     loaded = Node()
     alive = weakref.ref(loaded)
-    assert freeze_long_lived_objects() == gc.get_freeze_count() > 0
+    # The count can fall between the two calls: a frozen object freed meanwhile leaves it.
+    assert freeze_long_lived_objects() > 0 and gc.get_freeze_count() > 0
     del loaded
     gc.collect()
     assert alive() is not None  # frozen: a full collection does not look at it

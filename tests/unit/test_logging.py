@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+import structlog
 
 from gateway.logging import HANDLER_NAME, QUIET_LIBRARIES, ThirdPartyFilter, configure_logging
 
@@ -91,3 +92,32 @@ def test_health_verbose_bare_or_true_adds_the_gates(verbose: str | None, has_gat
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(engine=engine)))
     body = asyncio.run(health.fn(request=request, verbose=verbose))
     assert body["status"] == "ok" and ("gates" in body) is has_gates
+
+
+class RecordingStream:
+    """A stderr stand-in that keeps each ``write`` call's text."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        return None
+
+
+def test_each_event_is_one_write_with_its_newline(monkeypatch: pytest.MonkeyPatch, restored_logging: None) -> None:
+    # Two writes (the line, then its newline) let another thread's line land between them,
+    # which is how a JSON line and uvicorn's "Application startup complete" once came out joined.
+    stream = RecordingStream()
+    monkeypatch.setattr("sys.stderr", stream)
+    configure_logging("INFO")
+    try:
+        structlog.get_logger("sluice.test").info("one_line", n=1)
+    finally:
+        structlog.reset_defaults()
+        monkeypatch.undo()
+        configure_logging("INFO")
+    assert len(stream.writes) == 1 and stream.writes[0].endswith("}\n") and '"event": "one_line"' in stream.writes[0]
