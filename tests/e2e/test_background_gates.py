@@ -103,6 +103,14 @@ def gating_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
         yield url, folder / "server.log"
 
 
+def _winning_record_for(app: Any, task: GateTask) -> dict[str, Any]:
+    """What the gate child would save for ``task``: a record whose winner beats eager clearly."""
+    served = app.state.engine.models[task.model["name"]]
+    bucket = next(b for b in served.config.buckets if b.bucket_name == task.bucket_name)
+    gate_config = GateConfig.model_validate(task.gate)
+    return winning_record(served.loaded, served.config, bucket, gate_config, Path(task.cache_dir), task.num_threads)
+
+
 def test_the_gateway_serves_correct_embeddings_while_the_gate_runs_then_switches_at_most_once(
     gating_server: tuple[str, Path], hf_encoder: Any
 ) -> None:
@@ -180,10 +188,7 @@ def test_a_gate_that_enables_a_backend_switches_the_bucket_with_requests_in_flig
     def injected_gate(task: GateTask, guard: Any, stopping: Any) -> dict[str, Any]:
         """The gate child's part, in place: wait for an idle slice, save a winning record."""
         guard.wait_until_idle()
-        served = apps[0].state.engine.models[task.model["name"]]
-        bucket = next(b for b in served.config.buckets if b.bucket_name == task.bucket_name)
-        gate_config = GateConfig.model_validate(task.gate)
-        return winning_record(served.loaded, served.config, bucket, gate_config, Path(task.cache_dir), task.num_threads)
+        return _winning_record_for(apps[0], task)
 
     monkeypatch.setattr(gate_process, "measure_in_child", injected_gate)
     reference = hf_embeddings(hf_encoder, TEXTS)
@@ -277,10 +282,7 @@ def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches
         """The gate child's part, in place, once the test has looked at the bucket on eager."""
         wait_for(gate_may_finish.is_set, GATE_TIMEOUT_S, "the test looked at the bucket on eager")
         guard.wait_until_idle()
-        served = apps[0].state.engine.models[task.model["name"]]
-        bucket = next(b for b in served.config.buckets if b.bucket_name == task.bucket_name)
-        gate_config = GateConfig.model_validate(task.gate)
-        return winning_record(served.loaded, served.config, bucket, gate_config, Path(task.cache_dir), task.num_threads)
+        return _winning_record_for(apps[0], task)
 
     monkeypatch.setattr(gate_process, "measure_in_child", injected_gate)
     reference = hf_embeddings(hf_encoder, TEXTS)
