@@ -15,6 +15,12 @@ closed and retired (drained, nothing dropped), under the lock the admin API and 
 take. One ``backend_switched`` event says so, with ``switch_build_s``, what the build in the
 gateway cost. A child that fails, crashes or is killed leaves its bucket on eager
 (``gate_failed``).
+
+An ``auto`` bucket whose record is current is not gated again, but when the record enables a
+backend other than eager the bucket is built on eager too, ``building``
+(:func:`gateway.runners.backend_label`), and the gate thread switches it the same way without
+measuring: a later start is as quick as the first (a ``compiled`` encoder took 9 s per bucket to
+compile and warm before ready, Inductor's cache notwithstanding).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ log = structlog.get_logger(__name__)
 IDLE_POLL_S = 0.05
 STOP_JOIN_S = 5.0
 DISCARD_LOG_INTERVAL_S = 10.0
+# A bucket in one of these waits for the gate thread: its gate to run, or its record's backend to be built.
+WAITING_STATES = frozenset({GateState.PENDING.value, GateState.BUILDING.value})
 
 
 class SliceIdleGuard:
@@ -138,15 +146,16 @@ class BackgroundGates:
         self._lock: asyncio.Lock | None = None
 
     def on_bucket(self, model: str, bucket: Bucket) -> None:
-        """Queue ``bucket``'s gate when it is pending; an ``auto`` bucket of a process slice is
-        queued as it is built (its worker says whether its gate is pending when ready, before
-        the gate thread starts) and looked at again when its turn comes."""
+        """Queue ``bucket``'s gate when it is pending, or the build of its record's backend; an
+        ``auto`` bucket of a process slice is queued as it is built (its worker says where its
+        gate stands when ready, before the gate thread starts) and looked at again when its turn
+        comes."""
         info = bucket.backend_info
         remote = isinstance(bucket.device_slice, ProcessSlice)
-        if info.get("gate_state") != GateState.PENDING.value and not (remote and info.get("configured") == "auto"):
+        if info.get("gate_state") not in WAITING_STATES and not (remote and info.get("configured") == "auto"):
             return
         if not remote:
-            log.info("gate_pending", model=model, bucket=bucket.name, running=info.get("running"))
+            self._log_waiting(model, bucket)
         self._queue.put(GateJob(model, bucket))
 
     def start(self, loop: asyncio.AbstractEventLoop, lock: asyncio.Lock) -> None:
@@ -174,25 +183,34 @@ class BackgroundGates:
                 log.exception("gate_failed", model=job.model, bucket=job.bucket.name, error=repr(exc), running="eager")
                 job.bucket.backend_info["gate_state"] = GateState.FAILED.value
 
+    def _log_waiting(self, model: str, bucket: Bucket) -> None:
+        info = bucket.backend_info
+        if info.get("gate_state") == GateState.BUILDING.value:
+            log.info("backend_build_pending", model=model, bucket=bucket.name, running=info.get("running"),
+                     to=(info.get("gate") or {}).get("chosen"))
+        else:
+            log.info("gate_pending", model=model, bucket=bucket.name, running=info.get("running"))
+
     def _gate(self, job: GateJob) -> None:
-        """Measure and record ``job``'s gate; switch its bucket when the record enables a backend
-        other than the one it runs, else show the record on the bucket."""
+        """Measure and record ``job``'s gate, or with a current record (``building``) go straight
+        to the switch; switch its bucket when the record enables a backend other than the one it
+        runs, else show the record on the bucket."""
         if not self._current(job):
             self._drop(job, "its bucket was replaced before the gate ran")
             return
         info = job.bucket.backend_info
-        if info.get("gate_state") != GateState.PENDING.value:
-            return  # a process slice's worker found a current record
+        if info.get("gate_state") not in WAITING_STATES:
+            return  # a process slice's worker found a current record and built its backend
         if isinstance(job.bucket.device_slice, ProcessSlice):
-            log.info("gate_pending", model=job.model, bucket=job.bucket.name, running=info.get("running"))
-        info["gate_state"] = GateState.RUNNING.value
-        record = gate_process.measure_in_child(self._task(job), self._guard(job), self._stopping)
-        chosen = gate.chosen_backend(record, self.engine.config.gate)
-        if chosen == info.get("running"):
-            info.update(gate=gate.summary(record, self.engine.config.gate), gate_state=GateState.DONE.value)
-            return
+            self._log_waiting(job.model, job.bucket)
+        if info.get("gate_state") == GateState.PENDING.value:
+            info["gate_state"] = GateState.RUNNING.value
+            record = gate_process.measure_in_child(self._task(job), self._guard(job), self._stopping)
+            if gate.chosen_backend(record, self.engine.config.gate) == info.get("running"):
+                info.update(gate=gate.summary(record, self.engine.config.gate), gate_state=GateState.DONE.value)
+                return
         assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(self._switch(job, record), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._switch(job), self._loop)
         while not self._stopping.is_set():
             try:
                 future.result(timeout=IDLE_POLL_S * 10)
@@ -240,10 +258,10 @@ class BackgroundGates:
         log.info("gate_result_dropped", model=job.model, bucket=job.bucket.name, reason=reason)
         job.bucket.backend_info["gate_state"] = GateState.DROPPED.value
 
-    def _rebuild(self, job: GateJob) -> Any:
-        """Rebuild ``job``'s bucket with the record now current and return the backend it runs:
-        a process slice's worker rebuilds it under the same key; else a new bucket is swapped
-        into the table and the old one retired (drained). Blocking.
+    def _rebuild(self, job: GateJob) -> dict[str, Any]:
+        """Rebuild ``job``'s bucket with the record now current and return its backend info (what
+        it runs, its gate): a process slice's worker rebuilds it under the same key; else a new
+        bucket is swapped into the table and the old one retired (drained). Blocking.
 
         Raises:
             ConfigError, KeyError: from :meth:`Engine.rebuild_bucket`.
@@ -251,12 +269,12 @@ class BackgroundGates:
         """
         device_slice = job.bucket.device_slice
         if isinstance(device_slice, ProcessSlice):
-            return device_slice.rebuild(job.bucket.key).get("running")
+            return device_slice.rebuild(job.bucket.key)
         old, new = self.engine.rebuild_bucket(job.model, job.bucket.name)
         self.engine.retire([old], self.engine.config.drain_timeout_s)
-        return new.backend_info.get("running")
+        return new.backend_info
 
-    async def _switch(self, job: GateJob, record: dict[str, Any]) -> None:
+    async def _switch(self, job: GateJob) -> None:
         """Under the config lock: rebuild ``job``'s bucket with the record now current, swap it
         in, retire the old one; log ``backend_switched`` when the backend changed."""
         assert self._lock is not None
@@ -267,17 +285,18 @@ class BackgroundGates:
             before = job.bucket.backend_info.get("running")
             started = time.perf_counter()
             try:
-                after = await asyncio.to_thread(self._rebuild, job)
+                info = await asyncio.to_thread(self._rebuild, job)
             except (ConfigError, KeyError, RuntimeError, TimeoutError) as exc:
                 log.warning("gate_switch_failed", model=job.model, bucket=job.bucket.name, error=str(exc), running=before)
+                job.bucket.backend_info["gate_state"] = GateState.FAILED.value
                 return
         build_s = round(time.perf_counter() - started, 3)
+        after = info.get("running")
         if after != before:
-            speedups = {v.backend: v.speedup for v in gate.verdicts(record, self.engine.config.gate)}
-            speedup = speedups.get(str(after))
+            speedups = {row["backend"]: row["speedup"] for row in (info.get("gate") or {}).get("candidates", [])}
             log.info(
                 "backend_switched", model=job.model, bucket=job.bucket.name, to=after,
-                speedup=None if speedup is None else round(speedup, 3), switch_build_s=build_s, **{"from": before},
+                speedup=speedups.get(str(after)), switch_build_s=build_s, **{"from": before},
             )
 
 

@@ -123,12 +123,15 @@ class BucketBuilder:
     ``gate`` (the backend gate's settings), ``kv_memory_bytes`` (each continuous bucket's KV
     pool in bytes, from :func:`gateway.memory.split_kv_memory` over the whole config) and
     ``defer_gates`` (an ``auto`` bucket without a current gate record runs eager, its gate
-    ``pending`` for :mod:`gateway.background_gates`; else it is gated while it is built)."""
+    ``pending`` for :mod:`gateway.background_gates`; else it is gated while it is built) and
+    ``defer_builds`` (an ``auto`` bucket whose current record enables a backend other than eager
+    runs eager, ``building``, for the gate thread to build that backend; else it is built now)."""
 
     cache_dir: Path
     gate: GateConfig
     kv_memory_bytes: dict[memory.BucketName, int]
     defer_gates: bool = False
+    defer_builds: bool = False
 
     def bucket(
         self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, device_slice: Slice, layout_no: int = 0
@@ -163,13 +166,20 @@ class BucketBuilder:
         where = f"models.{model.name}.buckets.{config.bucket_name}"
         return memory.kv_num_blocks(self.kv_memory_bytes[(model.name, config.bucket_name)], block_size, bytes_per_token, where)
 
+    def _backend_label(
+        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]
+    ) -> str:
+        return runners.backend_label(
+            self.cache_dir, self.gate, model, loaded, config, num_threads, info, self.defer_gates, self.defer_builds,
+        )
+
     def _continuous(
         self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_blocks: int, num_threads: int, info: dict[str, Any]
     ) -> ContinuousBatcher:
         """The bucket's continuous batcher: its backend (gated when ``auto``) over a KV pool of
         ``num_blocks`` blocks."""
         knobs: ContinuousBatcherConfig = config.batcher  # type: ignore[assignment]
-        label = runners.backend_label(self.cache_dir, self.gate, model, loaded, config, num_threads, info, self.defer_gates)
+        label = self._backend_label(model, loaded, config, num_threads, info)
         runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
         log.info(
             "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
@@ -181,7 +191,7 @@ class BucketBuilder:
         self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]
     ) -> DynamicBatcher:
         """The bucket's dynamic batcher over its encoder backend (gated when ``auto``)."""
-        label = runners.backend_label(self.cache_dir, self.gate, model, loaded, config, num_threads, info, self.defer_gates)
+        label = self._backend_label(model, loaded, config, num_threads, info)
         backend = runners.encoder_backend(self.cache_dir, model, loaded, config, label, num_threads, info)
         runner = EmbeddingRunner(backend, loaded.tokenizer.pad_token_id or 0, loaded.device, loaded.folder)
         return DynamicBatcher(runner, dynamic_settings(config.batcher))  # type: ignore[arg-type]

@@ -95,7 +95,9 @@ class Engine:
             passed in by the app, so this module does not import the worker's code).
         defer_gates: build an ``auto`` bucket without a current gate record on eager with its
             gate ``pending`` (the app's :class:`~gateway.background_gates.BackgroundGates` runs
-            it); else gate it while it is built (a slice worker: the gateway waits for it).
+            it), and one whose current record enables another backend on eager, ``building``
+            (the gate thread builds that backend through :meth:`rebuild_bucket`); else gate and
+            build them while they are built (the gateway waits).
 
     Raises:
         ConfigError: a ``cuda:N`` slice torch cannot see, or KV shares over a slice's budget.
@@ -199,11 +201,11 @@ class Engine:
 
     def rebuild_bucket(self, name: str, bucket_name: str) -> tuple[Bucket, Bucket]:
         """Serve bucket ``bucket_name`` of model ``name`` through a new bucket built from the same
-        config (its backend chosen again: a gate record written since counts), swapped into the
-        table at once (one reference assignment); the old bucket is closed, still running what it
-        admitted (retire it with :meth:`retire`), and the new one carries its cumulative counters
-        over (:meth:`Bucket.stats`). Blocking (a backend is built and warmed): call
-        it off the event loop.
+        config (its backend chosen again, a gate record written since counting, and built now),
+        swapped into the table at once (one reference assignment); the old bucket is closed, still
+        running what it admitted (retire it with :meth:`retire`), and the new one carries its
+        cumulative counters over (:meth:`Bucket.stats`). Blocking (a backend is built and
+        warmed): call it off the event loop.
 
         Returns:
             ``(old bucket, new bucket)``.
@@ -219,7 +221,7 @@ class Engine:
             raise KeyError(bucket_name)
         config = next(b for b in served.config.buckets if b.bucket_name == bucket_name)
         self._check_budgets(self.config, [old])
-        new = self._bucket(served.config, served.loaded, config, served.layout_no + 1)
+        new = self._bucket(served.config, served.loaded, config, served.layout_no + 1, defer_build=False)
         new.predecessor = old  # its counters carry over
         served.layout_no += 1
         served.table = BucketTable([new if b is old else b for b in served.table.buckets])
@@ -324,9 +326,14 @@ class Engine:
         slices, and hand each to the bucket hooks (before any request can reach it)."""
         return [self._bucket(config, loaded, b, layout_no) for b in config.buckets]
 
-    def _bucket(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, layout_no: int) -> Bucket:
-        """Build bucket ``config`` of ``model`` on its slice and hand it to the bucket hooks."""
-        builder = BucketBuilder(self.cache_dir, self.config.gate, self.kv_memory_bytes, self.defer_gates)
+    def _bucket(
+        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, layout_no: int, defer_build: bool = True
+    ) -> Bucket:
+        """Build bucket ``config`` of ``model`` on its slice and hand it to the bucket hooks; with
+        ``defer_build`` off, its gate record's backend is built now even when gates are deferred."""
+        builder = BucketBuilder(
+            self.cache_dir, self.config.gate, self.kv_memory_bytes, self.defer_gates, self.defer_gates and defer_build
+        )
         bucket = builder.bucket(model, loaded, config, self.slices[config.slice], layout_no)
         self.kv_pool_bytes[bucket.key] = (config.slice, self.kv_memory_bytes.get((model.name, config.bucket_name), 0))
         for hook in self.bucket_hooks:

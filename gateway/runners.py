@@ -29,12 +29,14 @@ R = TypeVar("R")
 
 class GateState(enum.Enum):
     """Where an ``auto`` bucket's gate stands (``backend_info["gate_state"]``): ``pending`` (to
-    run in the background, eager meanwhile), ``running``, ``done`` (a current record), ``off``
-    (no record and ``gate.run_at_start`` off), ``dropped`` (its bucket changed or went while it
-    ran), ``failed``."""
+    run in the background, eager meanwhile), ``running``, ``building`` (a current record enables
+    a backend that is built in the background, eager meanwhile), ``done`` (a current record, its
+    backend running), ``off`` (no record and ``gate.run_at_start`` off), ``dropped`` (its bucket
+    changed or went while it ran), ``failed``."""
 
     PENDING = "pending"
     RUNNING = "running"
+    BUILDING = "building"
     DONE = "done"
     OFF = "off"
     DROPPED = "dropped"
@@ -43,13 +45,16 @@ class GateState(enum.Enum):
 
 def backend_label(
     cache_dir: Path, gate_config: GateConfig, model: ModelConfig, loaded: LoadedModel, config: BucketConfig,
-    num_threads: int, info: dict[str, Any], defer_gate: bool = False,
+    num_threads: int, info: dict[str, Any], defer_gate: bool = False, defer_build: bool = False,
 ) -> str:
     """The backend kind a bucket runs: as configured, or for ``auto`` what its gate record
     enabled. With no current record and ``gate.run_at_start``, the gate runs now, or with
     ``defer_gate`` later in the background (:mod:`gateway.background_gates`): eager meanwhile.
-    Fills ``info["gate"]`` (the record in brief) and ``info["gate_state"]``
-    (:class:`GateState`)."""
+    With ``defer_build``, a current record that enables a backend other than eager leaves the
+    bucket on eager too, ``building``: the gate thread builds that backend after the gateway is
+    ready (a ``compiled`` winner takes seconds per bucket to compile and warm, even with
+    Inductor's cache; a start must not wait for it). Fills ``info["gate"]`` (the record in
+    brief) and ``info["gate_state"]`` (:class:`GateState`)."""
     if config.backend != "auto":
         return CONFIGURED_KINDS[(config.backend, config.quantization)]
     path = gate.record_path(cache_dir, model.name, config.bucket_name)
@@ -65,8 +70,12 @@ def backend_label(
         log.warning("gate_record_missing", model=model.name, bucket=config.bucket_name, record=str(path), running="eager",
                     hint="run `sluice gate` for this model, or set gate.run_at_start")
         return "eager"
+    chosen = gate.chosen_backend(record, gate_config)
+    if defer_build and chosen != "eager":
+        info["gate_state"] = GateState.BUILDING.value
+        return "eager"
     info["gate_state"] = GateState.DONE.value
-    return gate.chosen_backend(record, gate_config)
+    return chosen
 
 
 def encoder_backend(

