@@ -27,6 +27,7 @@ from buckets.slices.host import SliceHost
 from buckets.slices.slice import BucketKey
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
+from gateway.gate_process import lower_thread_priority, short_gil_switch_interval
 from gateway.logging import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -56,7 +57,9 @@ def rebuild_bucket(engine: Engine, key: BucketKey) -> tuple[BucketKey, dict[str,
     from the gate record now current); the old bucket is retired (drained) when the host calls
     back. Blocking (a backend is built and warmed)."""
     model, bucket_name, _ = key
-    old, new = engine.rebuild_bucket(model, bucket_name)
+    lower_thread_priority()  # the host's rebuild thread, one per rebuild: the build yields to serving
+    with short_gil_switch_interval():
+        old, new = engine.rebuild_bucket(model, bucket_name)
     return new.key, new.backend_info, functools.partial(engine.retire, [old], engine.config.drain_timeout_s)
 
 

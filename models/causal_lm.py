@@ -22,6 +22,7 @@ from models.backends.registry import DECODER_FACTORIES, build_decoder
 from models.kv_cache import KVShape, PagedKVCache
 from models.logits_processors import SequenceHistory
 from models.logprobs import token_logprobs
+from models.module_call_guard import module_calls
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
 from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput, TokenLogprobs
@@ -186,6 +187,7 @@ class CausalLMRunner:
             self.kv_cache.data[:, :, blocks] = saved
         return time.perf_counter() - started
 
+    @module_calls
     def _forward(self, sequences: list[SequenceInput], backend: DecoderBackend | None = None) -> torch.Tensor:
         """The decoder's last hidden states for the packed tokens: ``[1, T, hidden_size]``, run on
         ``backend`` (default: the serving one, behind its fallback to eager)."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.backends.base import HiddenStatesBackend
+from models.module_call_guard import module_calls
 
 
 class EmbeddingRunner:
@@ -28,6 +29,7 @@ class EmbeddingRunner:
         self.device = torch.device(device)
         self.pooling, self.normalize = _read_sentence_transformers_config(folder)
 
+    @module_calls
     @torch.inference_mode()
     def embed(self, batch_token_ids: list[list[int]]) -> tuple[torch.Tensor, int]:
         """Embed a batch in one forward.

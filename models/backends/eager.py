@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from models.backends.base import DecoderBackend, DecoderParts, EncoderBackend, EncoderParts, warm_up_encoder
+from models.module_call_guard import module_calls
 
 
 class EagerEncoder:
@@ -20,6 +21,7 @@ class EagerEncoder:
         self.model = model
         self.device = next(model.parameters()).device
 
+    @module_calls
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[batch, seq]`` ids and mask in, ``[batch, seq, hidden]`` float32 out."""
