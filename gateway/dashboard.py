@@ -88,7 +88,8 @@ def summarize(timings: list[RequestTiming], now_s: float) -> dict[str, Any]:
 def bucket_snapshot(served: ServedModel, bucket: Bucket, metrics: Metrics, now_s: float) -> dict[str, Any]:
     """Everything the bucket page draws: current state, cumulative counters (the page turns
     them into rates between polls), recent latencies and throughput, the bucket's config, and its backend (configured, running,
-    gate record in brief, gate state: ``pending`` while a background gate has yet to run).
+    gate record in brief, gate state: ``pending`` while a background gate has yet to run,
+    ``building`` while its record's backend has yet to be built).
     ``time_s`` is the server's monotonic clock, so the page divides counter deltas by it."""
     stats = bucket.stats()
     config = next((b for b in served.config.buckets if b.bucket_name == bucket.name), None)
