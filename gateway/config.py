@@ -169,6 +169,10 @@ class ModelConfig(_Strict):
     # An embedding model trained with Matryoshka representation learning: the sizes its leading
     # components may be cut to (a request's ``dimensions``); None: the model has none.
     matryoshka_dimensions: list[Annotated[int, Field(ge=1)]] | None = Field(default=None, min_length=1)
+    # How ``tool_choice: auto`` reads tool calls in the output of a model whose chat template
+    # renders tools (gateway/tool_parsers.py): ``hermes`` (``<tool_call>`` JSON blocks) or
+    # ``llama3_json`` (JSON objects with name and parameters); None: such output is plain text.
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "ModelConfig":
