@@ -6,10 +6,11 @@ import json
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
+    BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
     field_validator, model_validator,
 )
 
+from gateway.body_text import Text
 from gateway.fields import FieldStatus, check_refused, field_statuses
 from gateway.tool_schemas import ToolChoice, ToolDefinition, check_tool_choice
 
@@ -18,19 +19,6 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 # OpenAI's bounds: completions' ``logprobs`` and chat's ``top_logprobs``.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
-
-
-def _encodable(text: str) -> str:
-    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer or encoder takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"String contains an invalid Unicode code point at position {exc.start}") from None
-    return text
-
-
-# A string field: strictly a string, and valid Unicode (no lone surrogates).
-Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
 class _Body(BaseModel):

@@ -11,22 +11,12 @@ from typing import Annotated, Any, Literal
 
 import jsonschema
 from llguidance import LLMatcher
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator
+
+from gateway.body_text import Text
 
 # OpenAI's rule for a function's name.
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-
-
-def _encodable(text: str) -> str:
-    """No lone surrogates (JSON's ``\\ud800`` escapes), which no tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"String contains an invalid Unicode code point at position {exc.start}") from None
-    return text
-
-
-_Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
 class _ToolBody(BaseModel):
@@ -37,6 +27,8 @@ def check_parameters_schema(schema: dict[str, Any]) -> None:
     """Raises ValueError when ``schema`` is not a valid JSON Schema (``jsonschema``'s
     ``check_schema`` for the draft it names, 2020-12 by default) or uses a keyword the constraint
     engine (llguidance) does not support, so a call's arguments are never relaxed silently."""
+    if not isinstance(schema.get("$schema", ""), str):
+        raise ValueError("not a valid JSON Schema: $schema must be a string (the URI of a draft)")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -55,8 +47,8 @@ class FunctionDefinition(_ToolBody):
     object). ``strict`` is accepted: arguments are always generated under the schema when the
     output is constrained (``required``, a named function, generic mode)."""
 
-    name: _Text = Field(pattern=FUNCTION_NAME_PATTERN)
-    description: _Text | None = None
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: Text | None = None
     parameters: dict[str, Any]
     strict: StrictBool | None = None
 
@@ -79,7 +71,7 @@ class ToolDefinition(_ToolBody):
 
 
 class NamedFunction(_ToolBody):
-    name: _Text
+    name: Text
 
 
 class NamedToolChoice(_ToolBody):
@@ -89,7 +81,17 @@ class NamedToolChoice(_ToolBody):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+def _choice_form(value: Any) -> str | None:
+    """Which form a ``tool_choice`` takes; the tags are type names, which ``param`` leaves out."""
+    if isinstance(value, str):
+        return "str"
+    return "dict[str, Any]" if isinstance(value, (dict, NamedToolChoice)) else None
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[NamedToolChoice, Tag("dict[str, Any]")],
+    Discriminator(_choice_form),
+]
 
 
 def check_tool_choice(tools: list[ToolDefinition], tool_choice: ToolChoice | None) -> None:

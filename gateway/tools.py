@@ -128,7 +128,7 @@ def _template_plan(
 def generic_instructions(tools: Sequence[ToolDefinition], is_parallel: bool, may_answer: bool) -> str:
     """The generic mode's description of ``tools`` and of the JSON to answer with (after
     llama.cpp's: the tools as JSON, an example of a call, and the ``response`` alternative)."""
-    described = json.dumps([t.openai_dict() for t in tools], indent=2, ensure_ascii=False)
+    described = json.dumps([t.openai_dict() for t in tools], ensure_ascii=False)
     example_call = {"name": tools[0].function.name, "arguments": {"...": "..."}}
     example = {"tool_calls": [example_call]} if is_parallel else {"tool_call": example_call}
     lines = [
