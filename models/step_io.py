@@ -175,8 +175,11 @@ class ForwardOutput:
             ``num_top_logprobs`` set and each of its ``forks``.
         prompt_logprobs: for each sequence with ``prompt_logprob_token_ids``, one
             :class:`TokenLogprobs` per such token, in order.
+        constraint_done: the sequences whose constraint is complete with the token sampled
+            this step (nothing but end-of-sequence may follow): they end with ``finish_reason="stop"``.
     """
 
     sampled_token_ids: dict[int, int]
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    constraint_done: frozenset[int] = frozenset()
