@@ -19,6 +19,7 @@ Two modes, by the model's chat template:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -33,6 +34,7 @@ from gateway.tool_grammar import arguments_constraint, call_list_constraint, gen
 from gateway.tool_parsers import CallFormat, ToolCallReader
 from gateway.tool_schemas import NamedToolChoice, ToolDefinition
 from models.step_io import Constraint, SamplingParams
+from models.structured import ConstraintError, check_constraint
 
 # A template that reads ``tools`` renders them (transformers' and vLLM's test for tool support).
 _READS_TOOLS = re.compile(r"\btools\b")
@@ -126,17 +128,18 @@ def _template_plan(
 
 
 def generic_instructions(tools: Sequence[ToolDefinition], is_parallel: bool, may_answer: bool) -> str:
-    """The generic mode's description of ``tools`` and of the JSON to answer with (after
-    llama.cpp's: the tools as JSON, an example of a call, and the ``response`` alternative)."""
-    described = json.dumps([t.openai_dict() for t in tools], ensure_ascii=False)
+    """The generic mode's description of ``tools`` (each function's JSON: name, description,
+    parameters) and of the JSON to answer with, after llama.cpp's: an example of a call and,
+    when ``may_answer``, the ``response`` alternative. Kept short: it shares the context."""
+    described = json.dumps([t.function.model_dump(exclude_none=True) for t in tools], ensure_ascii=False)
     example_call = {"name": tools[0].function.name, "arguments": {"...": "..."}}
     example = {"tool_calls": [example_call]} if is_parallel else {"tool_call": example_call}
     lines = [
-        f"You can call the following tools to satisfy the user's request:\n{described}\n",
-        f"To call tools, respond in JSON format with `{next(iter(example))}`, for example:\n{json.dumps(example)}",
+        f"You can call these tools:\n{described}",
+        f"To call tools, answer in JSON with `{next(iter(example))}`, as in {json.dumps(example)}",
     ]
     if may_answer:
-        lines.append('To reply to the user instead, respond in JSON format with `response`: {"response": "..."}')
+        lines.append('To reply to the user instead, answer in JSON with `response`: {"response": "..."}')
     return "\n".join(lines)
 
 
@@ -179,3 +182,19 @@ def with_tool_constraint(params: SamplingParams, tools: ToolPlan | None) -> Samp
             param="tool_choice",
         )
     return dataclasses.replace(params, constraint=tools.constraint)
+
+
+async def check_tool_constraint(tools: ToolPlan, tokenizer: Any) -> None:
+    """Compile the plan's constraint for ``tokenizer`` before the request is queued (on a
+    worker thread, within the engine's compile time limit), so a call grammar that cannot be
+    used fails this request alone.
+
+    Raises:
+        APIError: 400 naming ``tools`` when the grammar does not compile or not in time.
+    """
+    if tools.constraint is None:
+        return
+    try:
+        await asyncio.to_thread(check_constraint, tools.constraint, tokenizer, "tools")
+    except ConstraintError as exc:
+        raise invalid_request(f"The tool-call grammar cannot be used: {exc.message}", param=exc.param) from None

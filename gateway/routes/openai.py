@@ -22,7 +22,7 @@ from gateway.routes.embeddings import base64_floats, check_dimensions, embed_one
 from gateway.routes.generation import EchoOnlyResponse, collect_response, first_events, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
-from gateway.tools import ToolPlan, tool_plan, with_tool_constraint
+from gateway.tools import ToolPlan, check_tool_constraint, tool_plan, with_tool_constraint
 from models.step_io import SamplingParams
 
 
@@ -82,6 +82,7 @@ class OpenAIController(Controller):
             return resolve_max_tokens(served, requested, router.default_max_tokens(served, num_prompt_tokens), param)
 
         tools = tool_plan(body, served.loaded.tokenizer.chat_template, served.config.tool_call_parser)
+        await check_tool_constraint(tools, served.loaded.tokenizer)
         prompts = [(Prompt(messages=tools.messages, param="messages", tools=tools.template_tools), "")]
         return await _generate(
             request, router, served, body, prompts, budget, ResponseFormat.CHAT, arrival_s, deadline_s, tools
