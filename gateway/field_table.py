@@ -24,7 +24,7 @@ FIELD_NOTES = {
     "prompt_cache_key": "a cache-routing hint; prefix caching needs none",
     "parallel_tool_calls": "`tools` are refused, so no call is made",
     "suffix": "no fill-in-the-middle",
-    "response_format": "no structured output yet",
+    "response_format": "`text`, `json_object`, `json_schema` (llguidance's JSON Schema subset; an unsupported keyword is a 400); on completions too, as vLLM's",
     "tools": "no tool calling",
     "functions": "no function calling",
     "audio": "text models only",
@@ -44,6 +44,11 @@ FIELD_NOTES = {
     "return_token_ids": "vLLM's",
     "priority": "vLLM's; bounded by the config",
     "timeout": "Sluice's: seconds until a 504",
+    "guided_json": "vLLM's: a JSON Schema (object or JSON text)",
+    "guided_regex": "vLLM's",
+    "guided_choice": "vLLM's: one of the strings",
+    "guided_grammar": "vLLM's: Lark in llguidance's dialect, or GBNF",
+    "structured_outputs": "vLLM's: one of `json`, `regex`, `choice`, `grammar`",
 }
 
 

@@ -10,6 +10,7 @@ from pydantic import (
 )
 
 from gateway.fields import FieldStatus, check_refused, field_statuses
+from gateway.structured_fields import StructuredFields
 
 MAX_STOP_STRINGS = 4
 MAX_TIMEOUT_S = 7 * 24 * 3600
@@ -84,7 +85,11 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _SamplingBody(EndpointBody):
+class _SamplingBody(EndpointBody, StructuredFields):
+    """The fields both generation endpoints share; the structured-output fields
+    (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) come from
+    :class:`~gateway.structured_fields.StructuredFields`."""
+
     model: Text
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0.0, le=2.0)
@@ -303,7 +308,7 @@ class ChatCompletionBody(_SamplingBody):
         "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
     )
     refused_fields = _REFUSED_GENERATION | {
-        "audio", "modalities", "prediction", "response_format", "tools", "tool_choice",
+        "audio", "modalities", "prediction", "tools", "tool_choice",
         "functions", "function_call", "reasoning_effort", "verbosity", "web_search_options",
     }
     ignored_fields = _IGNORED_GENERATION | _IGNORED_CHAT
