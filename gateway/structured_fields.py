@@ -125,7 +125,8 @@ class StructuredFields(BaseModel):
 
 
 def _schema_constraint(schema: dict[str, Any] | str, param: str) -> Constraint:
-    """A JSON Schema constraint (the schema as canonical JSON text), checked as JSON Schema."""
+    """A JSON Schema constraint, checked as JSON Schema: the schema as JSON text with its key order
+    kept (llguidance emits an object's properties in the order its schema lists them)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -139,7 +140,7 @@ def _schema_constraint(schema: dict[str, Any] | str, param: str) -> Constraint:
         where = "/".join(str(p) for p in exc.absolute_path)
         at = f" at '{where}'" if where else ""
         raise invalid_request(f"{param}: not a valid JSON Schema{at}: {exc.message}", param=param, code="invalid_schema") from None
-    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
 
 
 def _lark(grammar: str, param: str) -> str:

@@ -113,7 +113,7 @@ def accepts_prefix(tokenizer: Any, schema: dict[str, Any], token_ids: list[int])
     from models.step_io import Constraint, ConstraintKind
     from models.structured import cache_for
 
-    matcher = cache_for(tokenizer).matcher(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True)))
+    matcher = cache_for(tokenizer).matcher(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)))
     return all(matcher.consume_token(t) for t in token_ids)
 
 
