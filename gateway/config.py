@@ -226,6 +226,15 @@ class GateConfig(_Strict):
     run_at_start: bool = True
 
 
+class StructuredOutputConfig(_Strict):
+    """The constraint engine's limits (:mod:`models.structured`)."""
+
+    # Compiled grammars kept per model tokenizer (least recently used dropped first).
+    grammar_cache_size: int = Field(default=256, ge=1, le=100_000)
+    # Seconds a request's grammar may take to compile before the request is a 400.
+    compile_timeout_s: float = Field(default=10.0, gt=0, le=600)
+
+
 class GatewayConfig(_Strict):
     """The whole file: slices, then models whose buckets name those slices."""
 
@@ -244,6 +253,7 @@ class GatewayConfig(_Strict):
     # With no SLUICE_ADMIN_TOKEN set, open the admin API to loopback clients (else it is off: 404).
     admin_allow_loopback_without_token: bool = False
     gate: GateConfig = GateConfig()
+    structured_output: StructuredOutputConfig = StructuredOutputConfig()
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":

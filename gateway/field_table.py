@@ -25,7 +25,7 @@ FIELD_NOTES = {
     "parallel_tool_calls": "false: at most one call per choice (constrained modes)",
     "tool_choice": "`none`, `auto`, `required` or a named function; see Tools",
     "suffix": "no fill-in-the-middle",
-    "response_format": "no structured output yet",
+    "response_format": "`text`, `json_object`, `json_schema` (llguidance's JSON Schema subset; an unsupported keyword is a 400); on completions too, as vLLM's",
     "tools": "functions only, each with `parameters` (a JSON Schema); see Tools",
     "functions": "no function calling",
     "audio": "text models only",
@@ -45,6 +45,11 @@ FIELD_NOTES = {
     "return_token_ids": "vLLM's",
     "priority": "vLLM's; bounded by the config",
     "timeout": "Sluice's: seconds until a 504",
+    "guided_json": "vLLM's: a JSON Schema (object or JSON text)",
+    "guided_regex": "vLLM's",
+    "guided_choice": "vLLM's: one of the strings",
+    "guided_grammar": "vLLM's: Lark in llguidance's dialect, or GBNF",
+    "structured_outputs": "vLLM's: one of `json`, `regex`, `choice`, `grammar`",
 }
 
 

@@ -12,6 +12,7 @@ from pydantic import (
 
 from gateway.body_text import Text
 from gateway.fields import FieldStatus, check_refused, field_statuses
+from gateway.structured_fields import StructuredFields
 from gateway.tool_schemas import ToolChoice, ToolDefinition, check_tool_choice
 
 MAX_STOP_STRINGS = 4
@@ -72,7 +73,11 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _SamplingBody(EndpointBody):
+class _SamplingBody(EndpointBody, StructuredFields):
+    """The fields both generation endpoints share; the structured-output fields
+    (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) come from
+    :class:`~gateway.structured_fields.StructuredFields`."""
+
     model: Text
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0.0, le=2.0)
@@ -303,7 +308,7 @@ class ChatCompletionBody(_SamplingBody):
         "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
     )
     refused_fields = _REFUSED_GENERATION | {
-        "audio", "modalities", "prediction", "response_format",
+        "audio", "modalities", "prediction",
         "functions", "function_call", "reasoning_effort", "verbosity", "web_search_options",
     }
     ignored_fields = _IGNORED_GENERATION | _IGNORED_CHAT

@@ -53,10 +53,8 @@ def sample(
     if any(p.uses_logits_processors for p in params):
         rows_history = histories if histories is not None else [None] * len(params)
         logits = apply_logits_processors(logits.float(), params, rows_history, stop_token_ids)
-    elif mask is not None:
-        logits = logits.float().clone()
     if mask is not None:
-        logits = apply_token_mask(logits, mask)
+        logits = apply_token_mask(logits.float(), mask)
     chosen = torch.argmax(logits, dim=-1).tolist()
     sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
     filtered = _min_p_rows(logits, params, sampled_rows)

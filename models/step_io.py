@@ -12,7 +12,7 @@ GREEDY_TEMPERATURE = 1e-5
 class ConstraintKind(enum.Enum):
     """What a :class:`Constraint`'s ``value`` holds."""
 
-    JSON_SCHEMA = "json_schema"  # value: the schema as a JSON string (json.dumps, sort_keys=True)
+    JSON_SCHEMA = "json_schema"  # value: the schema as a JSON string (json.dumps, key order kept: llguidance emits properties in it)
     JSON_OBJECT = "json_object"  # value: "" (any JSON object)
     REGEX = "regex"  # value: the regex
     CHOICE = "choice"  # value: json.dumps(list of strings)

@@ -3,7 +3,7 @@ and the mask applied to the batched logits.
 
 Per step (the order of vLLM's guidance backend, ``vllm/v1/structured_output``): the matchers of
 the step's constrained rows fill one int32 bitmask together (llguidance's ``LLExecutor``, its
-threads outside the GIL), the bits are unpacked on the logits' device and applied to those rows
+threads outside the GIL), the bits are unpacked (numpy), moved to the logits' device and applied to those rows
 after the logits processors and before the greedy pick and the temperature / top-k / top-p draw
 (:func:`models.sampling.sample`); then each matcher consumes its sampled token. A step with no
 constrained row does none of this.
@@ -16,13 +16,11 @@ from typing import Any
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
 from models.step_io import Constraint
 from models.structured import ConstraintError, GrammarCache, cache_for
-
-_BITS_PER_WORD = 32
-
 
 @dataclass(frozen=True)
 class TokenMask:
@@ -38,29 +36,34 @@ class TokenMask:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's ``[r, ceil(vocab_size / 32)]`` int32 bitmask (bit ``j % 32`` of word
-    ``j // 32`` is token ``j``) as a ``[r, vocab_size]`` bool tensor, on the bitmask's device."""
-    shifts = torch.arange(_BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """llguidance's ``[r, ceil(vocab_size / 32)]`` int32 CPU bitmask (bit ``j % 32`` of word
+    ``j // 32`` is token ``j``; little-endian words, so bit ``j % 8`` of byte ``j // 8``) as a
+    ``[r, vocab_size]`` bool CPU tensor, by numpy's ``unpackbits`` (one C pass, no int32 temporaries)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
-    """Set the disallowed tokens of ``mask.rows`` of ``logits`` (``[rows, width]`` float) to
-    ``-inf``, in place; returns ``logits``. Columns past the mask's vocabulary (a padded LM head)
-    are disallowed. A row whose every allowed token another processor already set to ``-inf``
-    (``min_tokens`` masking the end-of-sequence token a grammar needs) gets its allowed tokens at
-    0, so it can still be drawn from."""
+    """``logits`` (``[rows, width]`` float, not changed) with the disallowed tokens of
+    ``mask.rows`` at ``-inf``: one ``torch.where`` over those rows. Columns past the mask's
+    vocabulary (a padded LM head) are disallowed. A row whose every allowed token another
+    processor already set to ``-inf`` (``min_tokens`` masking the end-of-sequence token a grammar
+    needs) gets its allowed tokens at 0, so it can still be drawn from."""
     width = logits.shape[-1]
     allowed = mask.allowed[:, :width]
     if allowed.shape[-1] < width:
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
-    rows = logits[mask.rows].masked_fill(~allowed, float("-inf"))
+    positions = torch.arange(len(mask.rows), device=mask.rows.device)
+    every_row = len(mask.rows) == logits.shape[0] and bool((mask.rows == positions).all())
+    rows = torch.where(allowed, logits if every_row else logits[mask.rows], float("-inf"))
     dead = torch.isneginf(rows.amax(dim=-1))
     if bool(dead.any()):
         rows[dead] = torch.where(allowed[dead], 0.0, float("-inf"))
-    logits[mask.rows] = rows
-    return logits
+    if every_row:
+        return rows
+    masked = logits.clone()
+    masked[mask.rows] = rows
+    return masked
 
 
 class SequenceMatchers:
@@ -114,7 +117,7 @@ class SequenceMatchers:
         bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         rows = torch.tensor([row for row, _, _ in constrained], dtype=torch.int64, device=device)
-        return TokenMask(rows, unpack_bitmask(bitmask.to(device), vocab_size))
+        return TokenMask(rows, unpack_bitmask(bitmask, vocab_size).to(device, non_blocking=True))
 
     def advance(self, seq_ids: list[int], token_ids: list[int]) -> frozenset[int]:
         """Feed each sequence's matcher its sampled token; return the sequences whose grammar is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from litestar import Controller, Request, get, post
@@ -22,6 +23,7 @@ from gateway.routes.embeddings import base64_floats, check_dimensions, embed_one
 from gateway.routes.generation import EchoOnlyResponse, collect_response, first_events, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
+from gateway.structured_fields import checked_constraint
 from gateway.tools import ToolPlan, check_tool_constraint, tool_plan, with_tool_constraint
 from models.step_io import SamplingParams
 
@@ -166,7 +168,8 @@ async def _generate(
     out, or fails, get its status code (504, 500) even when it streams. All prompts are queued
     or none: a refusal cancels those queued before it.
     """
-    params = with_tool_constraint(sampling_params(served, body), tools)
+    constraint = await checked_constraint(body, served.loaded.tokenizer)
+    params = with_tool_constraint(replace(sampling_params(served, body), constraint=constraint), tools)
     response_id = f"{fmt.id_prefix}-{request_id_of(http_request.scope)}"
     sources: list[PromptSource] = []
     try:
