@@ -291,7 +291,7 @@ def _delta_chunk(
     return _sse(body)
 
 
-def _tool_token_chunks(served: ServedModel, response_id: str, choice: Choice, item: TokenEvent) -> list[str]:
+def tool_token_chunks(served: ServedModel, response_id: str, choice: Choice, item: TokenEvent) -> list[str]:
     """The chunks of one token event of a choice whose text may hold tool calls: the text its
     reader passes on as content; at its end, the held text's content, a pair of
     ``delta.tool_calls`` chunks per call, and the finish reason (``tool_calls`` with calls)."""
@@ -334,7 +334,7 @@ async def stream_response(
     With ``logprobs``, every event with tokens gets a chunk carrying those tokens' logprobs;
     an ``echo`` choice's prompt text then begins its first such chunk, whose logprobs begin
     with the prompt's. With ``tools``, a choice's text that may be a tool call is held back
-    and sent at its end as content or ``delta.tool_calls`` (:func:`_tool_token_chunks`)."""
+    and sent at its end as content or ``delta.tool_calls`` (:func:`tool_token_chunks`)."""
     choices = _choices(served, sources, n, fmt, tools)
     null_text = None if fmt is ResponseFormat.CHAT else ""
     include_usage_now = include_usage
@@ -361,7 +361,7 @@ async def stream_response(
             assert isinstance(item, TokenEvent)
             choice = choices[source.first_index + item.index]
             if choice.tool_reader is not None:
-                for chunk in _tool_token_chunks(served, response_id, choice, item):
+                for chunk in tool_token_chunks(served, response_id, choice, item):
                     yield chunk
                 continue
             token_chunk = _token_chunk(served, response_id, fmt, choice, item, echo_pending)

@@ -155,8 +155,10 @@ BAD_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weathe
         ({"tool_choice": "required"}, "tool_choice"),
         ({"messages": [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [BAD_CALL]}]},
          "messages.1.tool_calls.0.function.arguments"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ],
-    ids=["no_parameters", "not_a_schema", "unsupported_pattern", "named_not_in_tools", "choice_without_tools", "arguments_not_json"],
+    ids=["no_parameters", "not_a_schema", "unsupported_pattern", "named_not_in_tools", "choice_without_tools", "arguments_not_json",
+         "with_response_format"],
 )
 def test_bad_tool_input_is_a_400_naming_the_field(server_url: str, body: dict[str, Any], param: str) -> None:
     error = error_of(server_url, body)
