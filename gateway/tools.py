@@ -98,7 +98,7 @@ def tool_plan(body: ChatCompletionBody, chat_template: Any, tool_call_parser: st
     tools = body.tools or []
     if not tools:
         return ToolPlan(body.messages)
-    choice = body.tool_choice or "auto"
+    choice: str | NamedToolChoice = body.tool_choice or "auto"
     names = frozenset(t.function.name for t in tools)
     named = next((t for t in tools if t.function.name == choice.function.name), None) if isinstance(choice, NamedToolChoice) else None
     if template_reads_tools(chat_template):
@@ -112,7 +112,7 @@ def tool_plan(body: ChatCompletionBody, chat_template: Any, tool_call_parser: st
 
 
 def _template_plan(
-    body: ChatCompletionBody, tools: list[ToolDefinition], choice: Any, named: ToolDefinition | None,
+    body: ChatCompletionBody, tools: list[ToolDefinition], choice: str | NamedToolChoice, named: ToolDefinition | None,
     names: frozenset[str], tool_call_parser: str | None,
 ) -> ToolPlan:
     """The plan for a template that renders tools (see the module's docstring)."""
