@@ -64,6 +64,14 @@ def test_a_named_function_is_the_one_called(openai_client: Any) -> None:
     check_call(call)
 
 
+def test_sampled_calls_validate_too(openai_client: Any) -> None:
+    out = create(openai_client, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=7, n=3)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        check_call(call)
+
+
 def test_auto_answers_with_a_call_or_text_never_a_broken_call(openai_client: Any) -> None:
     for question in ("What is the weather in Paris?", "Say hello.", "What time is it in UTC?"):
         choice = create(openai_client, messages=[{"role": "user", "content": question}], tool_choice="auto").choices[0]
