@@ -237,3 +237,24 @@ def test_bad_structured_output_fields_are_a_400_naming_the_field(server_url: str
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+def test_each_of_n_choices_and_a_chat_stream_keep_to_the_constraint(server_url: str) -> None:
+    schema = {"type": "object", "properties": {"colour": {"enum": _WORDS[:3]}, "count": _integer(1, 9)}, "required": ["colour", "count"]}
+    body = {"guided_json": schema, "n": 4, "temperature": 1.0, "seed": 5}
+    choices = chat(server_url, body).json()["choices"]
+    assert len(choices) == 4
+    for choice in choices:
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        assert choice["finish_reason"] == "stop"
+    payload = {"model": GENERATE_MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+               "temperature": 0, "stream": True, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    pieces, reasons = [], []
+    with httpx.stream("POST", f"{server_url}/v1/chat/completions", json=payload, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                pieces.append(choice["delta"].get("content") or "")
+                reasons.append(choice["finish_reason"])
+    jsonschema.validate(json.loads("".join(pieces)), schema)
+    assert reasons[-1] == "stop"

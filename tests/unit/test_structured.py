@@ -232,3 +232,14 @@ def test_a_sequence_whose_constraint_is_done_stops_even_with_ignore_eos_and_min_
     assert seq.append_token(5) is None
     assert seq.append_token(6, constraint_done=True) is FinishReason.STOP
     assert seq.text_token_ids == [5, 6]  # the grammar's last token is text
+
+
+def test_the_structured_output_config_section_has_defaults_and_bounds() -> None:
+    from gateway.config import parse_config
+    from tests.unit.test_config import config_error, make_config_data
+
+    assert parse_config(make_config_data()).structured_output.grammar_cache_size == 256
+    data = {**make_config_data(), "structured_output": {"grammar_cache_size": 8, "compile_timeout_s": 0.5}}
+    assert parse_config(data).structured_output.compile_timeout_s == 0.5
+    assert "structured_output.grammar_cache_size" in config_error({**make_config_data(), "structured_output": {"grammar_cache_size": 0}})
+    assert "structured_output.compile_timeout_s" in config_error({**make_config_data(), "structured_output": {"compile_timeout_s": 0}})
