@@ -290,7 +290,7 @@ class Scheduler:
                 continue
             choices = [(seq, token_id)] + self._fork(seq, output) if seq.forks else [(seq, token_id)]
             for choice, choice_token_id in choices:
-                reason = choice.append_token(choice_token_id)
+                reason = choice.append_token(choice_token_id, choice.seq_id in output.constraint_done)
                 if self.settings.enable_prefix_caching:
                     choice.extend_block_hashes(block_size)
                 new_token_ids[choice.seq_id] = [choice_token_id]

@@ -147,11 +147,14 @@ class Sequence:
         ``params.stop_token_ids`` that ended the sequence (vLLM leaves it out too)."""
         return self.output_token_ids[:-1] if self.stopped_on_token else self.output_token_ids
 
-    def append_token(self, token_id: int) -> FinishReason | None:
-        """Add a sampled token; return why the sequence must end now (``STOP`` at an
+    def append_token(self, token_id: int, constraint_done: bool = False) -> FinishReason | None:
+        """Add a sampled token; return why the sequence must end now (``STOP`` when
+        ``constraint_done``: its ``params.constraint`` is complete; ``STOP`` at an
         end-of-sequence token unless ``ignore_eos``, or at one of ``params.stop_token_ids``,
         once ``params.min_tokens`` are out; ``LENGTH`` at ``max_tokens``), else ``None``."""
         self.output_token_ids.append(token_id)
+        if constraint_done:
+            return FinishReason.STOP
         if len(self.output_token_ids) >= self.request.params.min_tokens:
             if token_id in self._eos_token_ids:
                 return FinishReason.STOP

@@ -169,6 +169,10 @@ class ModelConfig(_Strict):
     # An embedding model trained with Matryoshka representation learning: the sizes its leading
     # components may be cut to (a request's ``dimensions``); None: the model has none.
     matryoshka_dimensions: list[Annotated[int, Field(ge=1)]] | None = Field(default=None, min_length=1)
+    # How ``tool_choice: auto`` reads tool calls in the output of a model whose chat template
+    # renders tools (gateway/tool_parsers.py): ``hermes`` (``<tool_call>`` JSON blocks) or
+    # ``llama3_json`` (JSON objects with name and parameters); None: such output is plain text.
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "ModelConfig":
@@ -222,6 +226,15 @@ class GateConfig(_Strict):
     run_at_start: bool = True
 
 
+class StructuredOutputConfig(_Strict):
+    """The constraint engine's limits (:mod:`models.structured`)."""
+
+    # Compiled grammars kept per model tokenizer (least recently used dropped first).
+    grammar_cache_size: int = Field(default=256, ge=1, le=100_000)
+    # Seconds a request's grammar may take to compile before the request is a 400.
+    compile_timeout_s: float = Field(default=10.0, gt=0, le=600)
+
+
 class GatewayConfig(_Strict):
     """The whole file: slices, then models whose buckets name those slices."""
 
@@ -240,6 +253,7 @@ class GatewayConfig(_Strict):
     # With no SLUICE_ADMIN_TOKEN set, open the admin API to loopback clients (else it is off: 404).
     admin_allow_loopback_without_token: bool = False
     gate: GateConfig = GateConfig()
+    structured_output: StructuredOutputConfig = StructuredOutputConfig()
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":

@@ -23,6 +23,7 @@ from gateway.config import BucketConfig, GatewayConfig, ModelConfig
 from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
 from models.cpu_memory import freeze_long_lived_objects, release_memory
+from models import structured
 from models.loader import LoadedModel, load_model
 
 log = structlog.get_logger(__name__)
@@ -107,6 +108,7 @@ class Engine:
     def __init__(self, config: GatewayConfig, worker_main: WorkerMain | None = None, defer_gates: bool = False):
         build.check_devices(config)
         self.config = config
+        structured.configure(config.structured_output.grammar_cache_size, config.structured_output.compile_timeout_s)
         self.defer_gates = defer_gates
         self.cache_dir = build.cache_dir(config)
         self.slices: dict[str, Slice] = {

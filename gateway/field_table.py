@@ -22,10 +22,11 @@ FIELD_NOTES = {
     "store": "Sluice stores no completion",
     "service_tier": "OpenAI's billing tier; one tier here (`priority` orders requests)",
     "prompt_cache_key": "a cache-routing hint; prefix caching needs none",
-    "parallel_tool_calls": "`tools` are refused, so no call is made",
+    "parallel_tool_calls": "false: at most one call per choice (constrained modes)",
+    "tool_choice": "`none`, `auto`, `required` or a named function; see Tools",
     "suffix": "no fill-in-the-middle",
-    "response_format": "no structured output yet",
-    "tools": "no tool calling",
+    "response_format": "`text`, `json_object`, `json_schema` (llguidance's JSON Schema subset; an unsupported keyword is a 400); on completions too, as vLLM's",
+    "tools": "functions only, each with `parameters` (a JSON Schema); see Tools",
     "functions": "no function calling",
     "audio": "text models only",
     "modalities": "text models only",
@@ -44,6 +45,11 @@ FIELD_NOTES = {
     "return_token_ids": "vLLM's",
     "priority": "vLLM's; bounded by the config",
     "timeout": "Sluice's: seconds until a 504",
+    "guided_json": "vLLM's: a JSON Schema (object or JSON text)",
+    "guided_regex": "vLLM's",
+    "guided_choice": "vLLM's: one of the strings",
+    "guided_grammar": "vLLM's: Lark in llguidance's dialect, or GBNF",
+    "structured_outputs": "vLLM's: one of `json`, `regex`, `choice`, `grammar`",
 }
 
 

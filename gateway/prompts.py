@@ -8,6 +8,7 @@ them (a chat template's own text), each configured once and never changed: calls
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import uuid
@@ -100,11 +101,18 @@ class PromptEncoder:
         """A completion's prompt: user text, with the usual special tokens."""
         return [Piece(text, is_user_text=True, add_special_tokens=True)]
 
-    def chat_pieces(self, messages: Sequence[Message], model_name: str, add_generation_prompt: bool = True) -> list[Piece]:
+    def chat_pieces(
+        self, messages: Sequence[Message], model_name: str, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[Piece]:
         """The chat template applied to ``messages`` (with the generation prompt unless told not
-        to), as pieces: the template's text keeps its control tokens, each string a client wrote
-        (content, name, tool call ids, names and arguments) is user text. The template is rendered
-        with a placeholder per string, so its cost does not grow with them.
+        to) and ``tools`` (OpenAI's tool JSON, for a template that renders them; ``None``: none),
+        as pieces: the template's text keeps its control tokens, each string a client wrote
+        (content, name, tool call ids, names, and the keys and string values of arguments) is user
+        text. The template is rendered with a placeholder per string, so its cost does not grow
+        with them. A call's arguments reach the template as an object (transformers' format), its
+        strings JSON-escaped (templates write arguments with ``tojson``); the tools' JSON is
+        the template's own text.
 
         A conversation without control-token strings tokenizes as the whole rendered template
         does, except where a content's leading or trailing whitespace would merge with the
@@ -125,7 +133,9 @@ class PromptEncoder:
 
         rendered = [_template_message(m, hole) for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                rendered, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except TemplateError as exc:
             raise invalid_request(f"The chat template of '{model_name}' refuses the messages: {exc}", param="messages") from None
         pieces = []
@@ -168,10 +178,25 @@ def _template_message(message: Message, hole: Callable[[str], str]) -> dict[str,
         out["tool_call_id"] = hole(message.tool_call_id)
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": hole(c.id), "type": "function", "function": {"name": hole(c.function.name), "arguments": hole(c.function.arguments)}}
+            {
+                "id": hole(c.id), "type": "function",
+                "function": {"name": hole(c.function.name), "arguments": _holed_json(json.loads(c.function.arguments), hole)},
+            }
             for c in message.tool_calls
         ]
     return out
+
+
+def _holed_json(value: Any, hole: Callable[[str], str]) -> Any:
+    """Decoded JSON with each string (keys included) replaced by ``hole`` of its JSON-escaped
+    text, so the template's ``tojson`` of the placeholder, once filled, is the string's JSON."""
+    if isinstance(value, str):
+        return hole(json.dumps(value, ensure_ascii=False)[1:-1])
+    if isinstance(value, list):
+        return [_holed_json(v, hole) for v in value]
+    if isinstance(value, dict):
+        return {_holed_json(k, hole): _holed_json(v, hole) for k, v in value.items()}
+    return value
 
 
 def _backend_copy(backend: Any, split_special_tokens: bool) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from buckets.bucket import Bucket
 from buckets.errors import BucketClosedError, BucketError
@@ -35,6 +36,7 @@ class Prompt:
     messages: Sequence[Message] = ()
     token_ids: Sequence[int] | None = None
     param: str = "prompt"
+    tools: list[dict[str, Any]] | None = None  # for a chat template that renders tools (gateway/tools.py)
 
 
 # (prompt token ids, max_tokens) -> the core request to queue.
@@ -137,7 +139,7 @@ class Router:
         if prompt.text is not None:
             pieces = encoder.text_pieces(prompt.text)
         else:
-            pieces = encoder.chat_pieces(prompt.messages, served.config.name)
+            pieces = encoder.chat_pieces(prompt.messages, served.config.name, tools=prompt.tools)
         max_prompt_tokens = encoder.max_num_tokens(pieces)
         if before is not None:
             before(max_prompt_tokens)

@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
+    BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
     field_validator, model_validator,
 )
 
+from gateway.body_text import Text
 from gateway.fields import FieldStatus, check_refused, field_statuses
+from gateway.structured_fields import StructuredFields
+from gateway.tool_schemas import ToolChoice, ToolDefinition, check_tool_choice
 
 MAX_STOP_STRINGS = 4
 MAX_TIMEOUT_S = 7 * 24 * 3600
 # OpenAI's bounds: completions' ``logprobs`` and chat's ``top_logprobs``.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
-
-
-def _encodable(text: str) -> str:
-    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer or encoder takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"String contains an invalid Unicode code point at position {exc.start}") from None
-    return text
-
-
-# A string field: strictly a string, and valid Unicode (no lone surrogates).
-Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
 class _Body(BaseModel):
@@ -75,16 +66,18 @@ _REFUSED_GENERATION: frozenset[str] = frozenset()
 # Accepted and dropped: a caller's label (user, safety_identifier), storage and billing
 # options of OpenAI's platform (metadata, store, service_tier), a cache hint (prompt_cache_key).
 _IGNORED_GENERATION = frozenset({"user"})
-_IGNORED_CHAT = frozenset({
-    "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls",
-})
+_IGNORED_CHAT = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _SamplingBody(EndpointBody):
+class _SamplingBody(EndpointBody, StructuredFields):
+    """The fields both generation endpoints share; the structured-output fields
+    (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) come from
+    :class:`~gateway.structured_fields.StructuredFields`."""
+
     model: Text
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt = Field(default=1.0, ge=0.0, le=2.0)
@@ -192,10 +185,22 @@ class CompletionBody(_SamplingBody):
 
 
 class ToolCallFunction(_Body):
-    """The function an assistant message called: its name and its arguments (JSON text)."""
+    """The function an assistant message called: its name and its arguments (JSON text of an
+    object, as the model produced them)."""
 
     name: Text
     arguments: Text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError as exc:
+            raise ValueError(f"the arguments must be JSON text of an object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"the arguments must be a JSON object, got {type(value).__name__}")
+        return arguments
 
 
 class ToolCall(_Body):
@@ -303,7 +308,7 @@ class ChatCompletionBody(_SamplingBody):
         "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
     )
     refused_fields = _REFUSED_GENERATION | {
-        "audio", "modalities", "prediction", "response_format", "tools", "tool_choice",
+        "audio", "modalities", "prediction",
         "functions", "function_call", "reasoning_effort", "verbosity", "web_search_options",
     }
     ignored_fields = _IGNORED_GENERATION | _IGNORED_CHAT
@@ -313,11 +318,17 @@ class ChatCompletionBody(_SamplingBody):
     # ``logprobs: true``: each generated token's logprob, with ``top_logprobs`` (0 to 20) alternatives.
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    # Tool calling (gateway/tool_schemas.py, gateway/tools.py); ``tool_choice`` defaults to
+    # ``auto`` when ``tools`` are given, as OpenAI's does.
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionBody:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: logprobs must be true when top_logprobs is given")
+        check_tool_choice(self.tools or [], self.tool_choice)
         return self
 
     def num_top_logprobs(self) -> int | None:

@@ -25,7 +25,8 @@ from models.logprobs import token_logprobs
 from models.module_call_guard import module_calls
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
-from models.step_io import ForwardInput, ForwardOutput, SamplingParams, SequenceInput, TokenLogprobs
+from models.step_io import Constraint, ForwardInput, ForwardOutput, SamplingParams, SequenceInput, TokenLogprobs
+from models.structured_sampling import SequenceMatchers, TokenMask
 
 
 class CausalLMRunner:
@@ -43,6 +44,9 @@ class CausalLMRunner:
             (:class:`models.backends.fallback.FallbackRunner`).
         eos_token_ids: the model's end-of-sequence ids, masked for a sequence with ``min_tokens``
             until it has that many tokens.
+        tokenizer: the model's Hugging Face tokenizer, for sequences with a
+            ``params.constraint`` (:mod:`models.structured_sampling`); ``None``: a constrained
+            sequence is refused with ``ValueError`` at its first step.
 
     Raises:
         ValueError: an unknown ``backend``.
@@ -53,7 +57,7 @@ class CausalLMRunner:
 
     def __init__(
         self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None,
-        eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None,
     ):
         if backend not in DECODER_FACTORIES:
             raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
@@ -70,6 +74,7 @@ class CausalLMRunner:
         # Token histories of the sequences whose sampling needs them (penalties, min_tokens).
         self._histories: dict[int, SequenceHistory] = {}
         self._eos_token_ids = eos_token_ids
+        self._matchers = SequenceMatchers(tokenizer) if tokenizer is not None else None
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         eager = EagerDecoder(self.decoder, dummy_mask)
@@ -102,6 +107,8 @@ class CausalLMRunner:
         for seq_id in batch.released_seq_ids:
             self._generators.pop(seq_id, None)
             self._histories.pop(seq_id, None)
+            if self._matchers is not None:
+                self._matchers.release(seq_id)
         self.kv_cache.copy_blocks(batch.block_copies)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
@@ -125,7 +132,12 @@ class CausalLMRunner:
         raw = logits[torch.tensor(asking, device=self.device)] if asking else None
         generators = [self._generator(s.seq_id, s.params) for s in sampling]
         histories = [self._history(s) for s in sampling]
-        tokens = sample(logits, [s.params for s in sampling], generators, histories, self._eos_token_ids)
+        constrained = [(i, s.seq_id, c) for i, s in enumerate(sampling) if (c := s.params.constraint) is not None]
+        mask = self._token_mask(constrained) if constrained else None
+        tokens = sample(logits, [s.params for s in sampling], generators, histories, self._eos_token_ids, mask)
+        constraint_done = frozenset[int]()
+        if self._matchers is not None and constrained:
+            constraint_done = self._matchers.advance([seq_id for _, seq_id, _ in constrained], [tokens[i] for i, _, _ in constrained])
         for history, token in zip(histories, tokens):
             if history is not None:
                 history.output_token_ids.append(token)
@@ -134,8 +146,19 @@ class CausalLMRunner:
             computed = token_logprobs(raw, [tokens[i] for i in asking], [sampling[i].num_top_logprobs or 0 for i in asking])
             logprobs = {sampling[i].seq_id: lp for i, lp in zip(asking, computed)}
         return ForwardOutput(
-            sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)}, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)}, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            constraint_done=constraint_done,
         )
+
+    def _token_mask(self, constrained: list[tuple[int, int, Constraint]]) -> TokenMask:
+        """The allowed tokens of the step's constrained rows ``(row, seq_id, constraint)``.
+
+        Raises:
+            ValueError: the runner has no tokenizer to compile constraints with.
+        """
+        if self._matchers is None:
+            raise ValueError("this runner was built without a tokenizer; it cannot run constrained sequences")
+        return self._matchers.mask(constrained, self.device)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, ordered: list[SequenceInput], starts: list[int]

@@ -6,7 +6,8 @@ keep the smallest set of most likely tokens whose probabilities sum to at least 
 
 The logits processors of :mod:`models.logits_processors` run first, in vLLM's order (its module
 docstring), and only when some row of the step uses one: a batch without them takes the same
-path as before they existed.
+path as before they existed. A constrained row's :class:`~models.structured_sampling.TokenMask`
+is applied after them and before the greedy pick (vLLM's order); a step without one pays nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from models.logits_processors import SequenceHistory, apply_logits_processors, apply_min_p
 from models.step_io import SamplingParams
+from models.structured_sampling import TokenMask, apply_token_mask
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
@@ -33,6 +35,7 @@ def sample(
     generators: list[torch.Generator],
     histories: list[SequenceHistory | None] | None = None,
     stop_token_ids: frozenset[int] = frozenset(),
+    mask: TokenMask | None = None,
 ) -> list[int]:
     """Pick one token per row.
 
@@ -43,12 +46,15 @@ def sample(
         generators: per-row generators (used only by non-greedy rows).
         histories: per-row token histories for the penalties and ``min_tokens`` (``None``: none kept).
         stop_token_ids: the model's end-of-sequence ids, masked under ``min_tokens``.
+        mask: the tokens the constrained rows may take (``None``: no row is constrained).
     Returns:
         ``num_rows`` token ids.
     """
     if any(p.uses_logits_processors for p in params):
         rows_history = histories if histories is not None else [None] * len(params)
         logits = apply_logits_processors(logits.float(), params, rows_history, stop_token_ids)
+    if mask is not None:
+        logits = apply_token_mask(logits.float(), mask)
     chosen = torch.argmax(logits, dim=-1).tolist()
     sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
     filtered = _min_p_rows(logits, params, sampled_rows)

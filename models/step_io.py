@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import KW_ONLY, dataclass, field
 
 
 GREEDY_TEMPERATURE = 1e-5
+
+
+class ConstraintKind(enum.Enum):
+    """What a :class:`Constraint`'s ``value`` holds."""
+
+    JSON_SCHEMA = "json_schema"  # value: the schema as a JSON string (json.dumps, key order kept: llguidance emits properties in it)
+    JSON_OBJECT = "json_object"  # value: "" (any JSON object)
+    REGEX = "regex"  # value: the regex
+    CHOICE = "choice"  # value: json.dumps(list of strings)
+    LARK = "lark"  # value: a Lark grammar in llguidance's dialect (may embed %json {...})
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """The structure a request's output must have (compiled by :mod:`models.structured`):
+    every sampled token is one the grammar allows."""
+
+    kind: ConstraintKind
+    value: str
 
 
 @dataclass(frozen=True)
@@ -22,7 +42,9 @@ class SamplingParams:
     ``logit_bias`` (``(token id, bias)`` pairs added to the logits), ``min_tokens`` (the
     end-of-sequence and ``stop_token_ids`` tokens are masked, and stop strings ignored, until
     that many tokens are generated). ``stop_token_ids`` end generation like an end-of-sequence
-    token, with ``finish_reason="stop"`` and the token left out of the text.
+    token, with ``finish_reason="stop"`` and the token left out of the text. ``constraint``
+    (``None``: none): the output follows it (:mod:`models.structured`) and ends with
+    ``finish_reason="stop"`` once the grammar is complete.
     """
 
     temperature: float = 1.0
@@ -36,6 +58,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -152,8 +175,11 @@ class ForwardOutput:
             ``num_top_logprobs`` set and each of its ``forks``.
         prompt_logprobs: for each sequence with ``prompt_logprob_token_ids``, one
             :class:`TokenLogprobs` per such token, in order.
+        constraint_done: the sequences whose constraint is complete with the token sampled
+            this step (nothing but end-of-sequence may follow): they end with ``finish_reason="stop"``.
     """
 
     sampled_token_ids: dict[int, int]
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    constraint_done: frozenset[int] = frozenset()

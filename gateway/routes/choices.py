@@ -19,6 +19,7 @@ from gateway.logprobs_format import ChoiceLogprobs
 from gateway.router import Prompt
 from gateway.schemas import CompletionBody
 from gateway.streams import ChannelItem, EventChannel, Interrupt
+from gateway.tool_parsers import ToolCallReader
 
 
 def check_choices(served: ServedModel, n: int, best_of: int | None) -> None:
@@ -99,6 +100,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None  # when the request asked for them
+    tool_reader: ToolCallReader | None = None  # when its text may hold tool calls (gateway/tools.py)
 
     @property
     def text(self) -> str:

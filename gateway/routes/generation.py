@@ -21,6 +21,8 @@ from gateway.outcome import outcome_of
 from gateway.response_format import ResponseFormat
 from gateway.routes.choices import Choice, PromptSource, make_choices, merged_events, record
 from gateway.streams import ChannelItem, EventChannel, Interrupt, InterruptReason, RequestWatch
+from gateway.tool_format import call_deltas, finish_reason_of, message_with_calls
+from gateway.tools import ToolPlan
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -109,11 +111,15 @@ def _usage_of(sources: list[PromptSource]) -> dict[str, int]:
     return _usage(sum(s.request.num_prompt_tokens for s in sources), sum(s.num_completion_tokens for s in sources))
 
 
-def _choices(served: ServedModel, sources: list[PromptSource], n: int, fmt: ResponseFormat) -> dict[int, Choice]:
-    """Every choice of the call by ``index``, each with its own logprobs view when asked."""
+def _choices(
+    served: ServedModel, sources: list[PromptSource], n: int, fmt: ResponseFormat, tools: ToolPlan | None
+) -> dict[int, Choice]:
+    """Every choice of the call by ``index``, each with its own logprobs view when asked and
+    its own reader of tool calls when its text may hold them."""
     choices = make_choices(sources, n)
     for choice in choices.values():
         choice.logprobs = choice_logprobs(choice.source.request, served.loaded.tokenizer, is_chat=fmt is ResponseFormat.CHAT)
+        choice.tool_reader = tools.reader() if tools is not None else None
     return choices
 
 
@@ -128,6 +134,9 @@ def _choice_body(fmt: ResponseFormat, choice: Choice, echo: bool, return_token_i
         body["logprobs"] = choice.logprobs.whole()
     if return_token_ids:
         body.update(prompt_token_ids=choice.source.request.prompt_token_ids, token_ids=choice.token_ids)
+    if choice.tool_reader is not None:
+        parsed = choice.tool_reader.read_whole(choice.text)
+        body.update(message=message_with_calls(parsed), finish_reason=finish_reason_of(parsed, choice.finish_reason))
     return body
 
 
@@ -141,9 +150,11 @@ async def collect_response(
     watch: RequestWatch,
     echo: bool = False,
     return_token_ids: bool = False,
+    tools: ToolPlan | None = None,
 ) -> dict[str, Any]:
     """Gather every choice of every prompt, from their ``firsts`` events on; return the
-    completion object, ``choices`` sorted by ``index``.
+    completion object, ``choices`` sorted by ``index`` (with ``tools``, a choice's tool calls
+    read out of its text).
 
     A deadline that passes mid-generation ends each unfinished choice with
     ``finish_reason="timeout"`` and what it generated so far.
@@ -151,7 +162,7 @@ async def collect_response(
     Raises:
         APIError: 500 when the core failed a request; 499 when the client hung up.
     """
-    choices = _choices(served, sources, n, fmt)
+    choices = _choices(served, sources, n, fmt, tools)
     failed: PromptSource | None = None
     try:
         async for source, item in merged_events(sources, firsts):
@@ -270,6 +281,37 @@ def _token_chunk(
     return _chunk(served, response_id, fmt, choice.index, text, item.finish_reason, logprobs=choice.logprobs.chunk(item))
 
 
+def _delta_chunk(
+    served: ServedModel, response_id: str, index: int, delta: dict[str, Any], finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> str:
+    """A chat chunk of one choice with ``delta`` as it is."""
+    body = _envelope(served, response_id, ResponseFormat.CHAT, is_chunk=True)
+    body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+    return _sse(body)
+
+
+def tool_token_chunks(served: ServedModel, response_id: str, choice: Choice, item: TokenEvent) -> list[str]:
+    """The chunks of one token event of a choice whose text may hold tool calls: the text its
+    reader passes on as content; at its end, the held text's content, a pair of
+    ``delta.tool_calls`` chunks per call, and the finish reason (``tool_calls`` with calls)."""
+    assert choice.tool_reader is not None
+    choice.finish_reason = item.finish_reason
+    text = choice.tool_reader.feed(item.text)
+    logprobs = choice.logprobs.chunk(item) if choice.logprobs is not None and item.token_ids else None
+    if item.finish_reason is None:
+        has_news = bool(text) or logprobs is not None
+        return [_delta_chunk(served, response_id, choice.index, {"content": text}, None, logprobs)] if has_news else []
+    parsed = choice.tool_reader.finish()
+    chunks = []
+    if text or parsed.content or logprobs is not None:
+        chunks.append(_delta_chunk(served, response_id, choice.index, {"content": text + parsed.content}, None, logprobs))
+    chunks += [_delta_chunk(served, response_id, choice.index, delta, None) for delta in call_deltas(parsed)]
+    choice.finish_reason = finish_reason_of(parsed, item.finish_reason)
+    chunks.append(_delta_chunk(served, response_id, choice.index, {}, choice.finish_reason))
+    return chunks
+
+
 async def stream_response(
     served: ServedModel,
     response_id: str,
@@ -280,6 +322,7 @@ async def stream_response(
     include_usage: bool,
     watch: RequestWatch,
     echo: bool = False,
+    tools: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     """SSE events from the ``firsts`` events on: a chat stream opens each choice with its role
     (an ``echo`` completion stream with its prompt's text), in ``index`` order; then a chunk per
@@ -290,8 +333,9 @@ async def stream_response(
 
     With ``logprobs``, every event with tokens gets a chunk carrying those tokens' logprobs;
     an ``echo`` choice's prompt text then begins its first such chunk, whose logprobs begin
-    with the prompt's."""
-    choices = _choices(served, sources, n, fmt)
+    with the prompt's. With ``tools``, a choice's text that may be a tool call is held back
+    and sent at its end as content or ``delta.tool_calls`` (:func:`tool_token_chunks`)."""
+    choices = _choices(served, sources, n, fmt, tools)
     null_text = None if fmt is ResponseFormat.CHAT else ""
     include_usage_now = include_usage
     try:
@@ -307,16 +351,22 @@ async def stream_response(
                 for index, choice in sorted(choices.items()):
                     if choice.finish_reason is None:
                         choice.finish_reason = "timeout"
-                        yield _chunk(served, response_id, fmt, index, echo_pending.pop(index, null_text), "timeout")
+                        held = choice.tool_reader.held_text if choice.tool_reader is not None else null_text
+                        yield _chunk(served, response_id, fmt, index, echo_pending.pop(index, held), "timeout")
                 break
             if isinstance(item, ErrorEvent):
                 yield _sse(to_api_error(item.error).body())
                 include_usage_now = False
                 break
             assert isinstance(item, TokenEvent)
-            chunk = _token_chunk(served, response_id, fmt, choices[source.first_index + item.index], item, echo_pending)
-            if chunk is not None:
-                yield chunk
+            choice = choices[source.first_index + item.index]
+            if choice.tool_reader is not None:
+                for chunk in tool_token_chunks(served, response_id, choice, item):
+                    yield chunk
+                continue
+            token_chunk = _token_chunk(served, response_id, fmt, choice, item, echo_pending)
+            if token_chunk is not None:
+                yield token_chunk
         if include_usage_now:
             usage = _envelope(served, response_id, fmt, is_chunk=True)
             usage.update(choices=[], usage=_usage_of(sources))

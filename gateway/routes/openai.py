@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from litestar import Controller, Request, get, post
@@ -22,6 +23,8 @@ from gateway.routes.embeddings import base64_floats, check_dimensions, embed_one
 from gateway.routes.generation import EchoOnlyResponse, collect_response, first_events, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
+from gateway.structured_fields import checked_constraint
+from gateway.tools import ToolPlan, check_tool_constraint, tool_plan, with_tool_constraint
 from models.step_io import SamplingParams
 
 
@@ -80,8 +83,12 @@ class OpenAIController(Controller):
         def budget(num_prompt_tokens: int) -> int:
             return resolve_max_tokens(served, requested, router.default_max_tokens(served, num_prompt_tokens), param)
 
-        prompts = [(Prompt(messages=body.messages, param="messages"), "")]
-        return await _generate(request, router, served, body, prompts, budget, ResponseFormat.CHAT, arrival_s, deadline_s)
+        tools = tool_plan(body, served.loaded.tokenizer.chat_template, served.config.tool_call_parser)
+        await check_tool_constraint(tools, served.loaded.tokenizer)
+        prompts = [(Prompt(messages=tools.messages, param="messages", tools=tools.template_tools), "")]
+        return await _generate(
+            request, router, served, body, prompts, budget, ResponseFormat.CHAT, arrival_s, deadline_s, tools
+        )
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -150,15 +157,19 @@ async def _generate(
     fmt: ResponseFormat,
     arrival_s: float,
     deadline_s: float | None,
+    tools: ToolPlan | None = None,
 ) -> Response[Any] | Stream:
     """Submit one generation request per prompt (``(prompt, its text for echo)``), each with
-    ``n`` choices, and answer once each has its first token (or one failed).
+    ``n`` choices, and answer once each has its first token (or one failed). ``tools``: a chat
+    request's tool plan (its constraint joins the sampling parameters, its calls are read out
+    of the choices).
 
     Waiting for the first tokens before the response starts lets a queued request that times
     out, or fails, get its status code (504, 500) even when it streams. All prompts are queued
     or none: a refusal cancels those queued before it.
     """
-    params = sampling_params(served, body)
+    constraint = await checked_constraint(body, served.loaded.tokenizer)
+    params = with_tool_constraint(replace(sampling_params(served, body), constraint=constraint), tools)
     response_id = f"{fmt.id_prefix}-{request_id_of(http_request.scope)}"
     sources: list[PromptSource] = []
     try:
@@ -181,11 +192,13 @@ async def _generate(
         watch.stop_disconnect_watch()  # the streaming response listens for the hang-up itself
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
-            stream_response(served, response_id, sources, firsts, body.n, fmt, include_usage, watch, echo),
+            stream_response(served, response_id, sources, firsts, body.n, fmt, include_usage, watch, echo, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **headers},
         )
-    body_out = await collect_response(served, response_id, sources, firsts, body.n, fmt, watch, echo, body.return_token_ids)
+    body_out = await collect_response(
+        served, response_id, sources, firsts, body.n, fmt, watch, echo, body.return_token_ids, tools
+    )
     return Response(body_out, headers=headers)
 
 
