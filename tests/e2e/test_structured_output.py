@@ -262,3 +262,19 @@ def test_each_of_n_choices_and_a_chat_stream_keep_to_the_constraint(server_url: 
                 reasons.append(choice["finish_reason"])
     jsonschema.validate(json.loads("".join(pieces)), schema)
     assert reasons[-1] == "stop"
+
+
+def short_compile_timeout(config: dict[str, Any]) -> None:
+    """A server whose grammars must compile within 1 ms (the schema below takes tens of ms)."""
+    config["structured_output"] = {"compile_timeout_s": 0.001}
+
+
+def test_a_schema_past_the_compile_timeout_is_a_400_and_the_server_goes_on(server_with: Any) -> None:
+    url = server_with(short_compile_timeout).url
+    properties = {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 7 + 9}}}[0-9]{{2}}(x|y|z{i})$"} for i in range(200)}
+    schema = {"type": "object", "properties": properties, "required": sorted(properties)}
+    response = chat(url, {"guided_json": schema})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_json" and error["code"] == "grammar_compile_timeout", error
+    assert chat(url, {"temperature": 0, "max_tokens": 4}).status_code == 200
