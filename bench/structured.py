@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from models import structured
+from models.structured import GrammarCache
 from models.causal_lm import CausalLMRunner
 from models.step_io import Constraint, ConstraintKind, ForwardInput, SamplingParams, SequenceInput
 from models.structured_sampling import SequenceMatchers, apply_token_mask
@@ -133,7 +133,7 @@ def compile_costs(loaded: Any) -> tuple[float, float, float, float]:
     """(llguidance tokenizer build, the schema's first compile, a cached lookup, the median
     per-token mask of one matcher along :data:`INSTANCE_TEXT`) in ms."""
     started = time.perf_counter()
-    cache = structured.GrammarCache(loaded.tokenizer)
+    cache = GrammarCache(loaded.tokenizer)
     built_ms = (time.perf_counter() - started) * 1e3
     started = time.perf_counter()
     cache.matcher(CONSTRAINT)

@@ -49,7 +49,7 @@ FIELD_NOTES = {
     "guided_regex": "vLLM's",
     "guided_choice": "vLLM's: one of the strings",
     "guided_grammar": "vLLM's: Lark in llguidance's dialect, or GBNF",
-    "structured_outputs": "vLLM's: one of `json`, `regex`, `choice`, `grammar`",
+    "structured_outputs": "vLLM's: one of `json`, `regex`, `choice`, `grammar`, `json_object`; its other keys are a 400",
 }
 
 

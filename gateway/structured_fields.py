@@ -5,7 +5,7 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vL
 for the same machinery: ``guided_json`` (a schema, as an object or JSON text), ``guided_regex``,
 ``guided_choice`` (strings), ``guided_grammar`` (a Lark grammar in llguidance's dialect, or a
 GBNF one, converted by llguidance) and the newer ``structured_outputs`` object (``json``,
-``regex``, ``choice``, ``grammar``). A request sets at most one. A schema is checked as JSON
+``regex``, ``choice``, ``grammar``, ``json_object``). A request sets at most one. A schema is checked as JSON
 Schema (the ``jsonschema`` package, its declared draft) and then compiled by llguidance
 (:func:`models.structured.check_constraint`), so a keyword llguidance does not implement is a
 400 naming the field and the keyword, never a silent relaxation.
@@ -61,12 +61,17 @@ class ResponseFormatSpec(_Part):
 
 
 class StructuredOutputsSpec(_Part):
-    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar``."""
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar``, ``json_object`` (``true``: any JSON object). vLLM's other keys (backend and
+    whitespace options, structural tags) are refused by name, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = Field(default=None, min_length=1)
     grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class StructuredFields(BaseModel):
@@ -94,6 +99,8 @@ class StructuredFields(BaseModel):
             param = "response_format.json_schema.schema"
             found.append((param, _schema_constraint(spec.json_schema.schema_, param)))
         outputs = self.structured_outputs or StructuredOutputsSpec()
+        if outputs.json_object:
+            found.append(("structured_outputs.json_object", Constraint(ConstraintKind.JSON_OBJECT, "")))
         for param, schema in (("guided_json", self.guided_json), ("structured_outputs.json", outputs.json_)):
             if schema is not None:
                 found.append((param, _schema_constraint(schema, param)))

@@ -142,9 +142,12 @@ def test_hypothesis_schemas_greedy_and_sampled_validate_beside_unconstrained_req
 
 
 def test_json_object_regex_choice_and_grammar_constrain_the_output(server_url: str) -> None:
-    out = chat(server_url, {"response_format": {"type": "json_object"}, "temperature": 0}).json()["choices"][0]
-    if out["finish_reason"] == "stop":
-        assert isinstance(json.loads(out["message"]["content"]), dict)
+    for body in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}):
+        out = chat(server_url, {**body, "temperature": 0}).json()["choices"][0]
+        if out["finish_reason"] == "stop":
+            assert isinstance(json.loads(out["message"]["content"]), dict)
+        else:
+            assert out["finish_reason"] == "length" and out["message"]["content"].startswith("{")
     regex = chat(server_url, {"guided_regex": "[0-9]{3}-[a-z]{2}", "temperature": 0}).json()["choices"][0]
     assert regex["finish_reason"] == "stop" and len(regex["message"]["content"]) == 6
     choice = chat(server_url, {"guided_choice": ["alpha", "beta", "gamma"], "temperature": 0.9, "seed": 1}).json()["choices"][0]
@@ -228,6 +231,7 @@ JSON_SCHEMA = "response_format.json_schema.schema"
         ({"guided_regex": "(unclosed"}, "guided_regex", "does not compile"),
         ({"guided_choice": []}, "guided_choice", ""),
         ({"structured_outputs": {"grammar": "start: @"}}, "structured_outputs.grammar", ""),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", ""),
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "set one of them"),
         ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, "guided_json", "set one of them"),
     ],
@@ -258,3 +262,19 @@ def test_each_of_n_choices_and_a_chat_stream_keep_to_the_constraint(server_url: 
                 reasons.append(choice["finish_reason"])
     jsonschema.validate(json.loads("".join(pieces)), schema)
     assert reasons[-1] == "stop"
+
+
+def short_compile_timeout(config: dict[str, Any]) -> None:
+    """A server whose grammars must compile within 1 ms (the schema below takes tens of ms)."""
+    config["structured_output"] = {"compile_timeout_s": 0.001}
+
+
+def test_a_schema_past_the_compile_timeout_is_a_400_and_the_server_goes_on(server_with: Any) -> None:
+    url = server_with(short_compile_timeout).url
+    properties = {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 7 + 9}}}[0-9]{{2}}(x|y|z{i})$"} for i in range(200)}
+    schema = {"type": "object", "properties": properties, "required": sorted(properties)}
+    response = chat(url, {"guided_json": schema})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_json" and error["code"] == "grammar_compile_timeout", error
+    assert chat(url, {"temperature": 0, "max_tokens": 4}).status_code == 200

@@ -243,3 +243,46 @@ def test_the_structured_output_config_section_has_defaults_and_bounds() -> None:
     assert parse_config(data).structured_output.compile_timeout_s == 0.5
     assert "structured_output.grammar_cache_size" in config_error({**make_config_data(), "structured_output": {"grammar_cache_size": 0}})
     assert "structured_output.compile_timeout_s" in config_error({**make_config_data(), "structured_output": {"compile_timeout_s": 0}})
+
+
+def run_batcher(loaded: Any, params: list[SamplingParams], num_blocks: int) -> tuple[list[list[int]], list[str], Any]:
+    """``params``' requests (one chat prompt) through a continuous batcher on a pool of
+    ``num_blocks``; each one's tokens and finish reason, and the batcher's stats."""
+    from buckets.continuous import ContinuousBatcher
+    from buckets.request import GenerationRequest
+    from buckets.settings import ContinuousBatcherSettings
+    from models.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer)
+    batcher = ContinuousBatcher(runner, ContinuousBatcherSettings(8, 512, BLOCK_SIZE), loaded.tokenizer, loaded.eos_token_ids)
+    outputs: list[list[int]] = [[] for _ in params]
+    reasons = [""] * len(params)
+
+    def sink(index: int) -> Any:
+        def on_event(event: Any) -> None:
+            assert getattr(event, "error", None) is None, event
+            outputs[index].extend(event.token_ids)
+            reasons[index] = event.finish_reason or reasons[index]
+
+        return on_event
+
+    prompt = chat_prompt(loaded, "Describe a person as JSON.")
+    for i, p in enumerate(params):
+        batcher.submit(GenerationRequest(request_id=f"r{i}", prompt_token_ids=prompt, sink=sink(i), max_tokens=150, params=p))
+    while batcher.seconds_until_ready(0.0) is not None:
+        batcher.step()
+    return outputs, reasons, batcher.stats()
+
+
+@pytest.mark.slow
+def test_preempted_constrained_sequences_still_follow_the_schema(loaded: Any) -> None:
+    # A long string: each output grows past its share of the small pool while the others run.
+    schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "name": {"type": "string", "minLength": 120, "maxLength": 140}}}
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, constraint=schema_constraint(schema)) for i in range(4)]
+    roomy, _, roomy_stats = run_batcher(loaded, params, 96)
+    outputs, reasons, stats = run_batcher(loaded, params, 14)
+    assert roomy_stats.num_preemptions == 0 and stats.num_preemptions > 0
+    assert reasons == ["stop"] * len(params)
+    for i, ids in enumerate(outputs):
+        jsonschema.validate(json.loads(text_of(loaded, ids)), schema)
+        assert ids == roomy[i]  # greedy and seeded alike: preemption changes no token
