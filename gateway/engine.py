@@ -320,6 +320,10 @@ class Engine:
             release_memory()
             raise
         self.weight_bytes = all_weights
+        if config.task == "generate":  # llguidance's view of the tokenizer, for the first constrained request
+            started = time.perf_counter()
+            structured.cache_for(loaded.tokenizer)
+            log.info("grammar_tokenizer_built", model=config.name, duration_s=round(time.perf_counter() - started, 3))
         buckets = self._buckets(config, loaded)
         return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)
 
