@@ -87,12 +87,8 @@ class LeanLlama:
         self, geometry: LeanGeometry, embed_tokens: torch.Tensor, layers: list[LeanLayer], final_norm: torch.Tensor, rotary: Any,
         lm_head: Linear,
     ):
-        self.geometry = geometry
-        self.embed_tokens = embed_tokens
-        self.layers = layers
-        self.final_norm = final_norm
-        self.rotary = rotary
-        self.lm_head = lm_head
+        self.geometry, self.embed_tokens, self.layers = geometry, embed_tokens, layers
+        self.final_norm, self.rotary, self.lm_head = final_norm, rotary, lm_head
         self.hidden_size = embed_tokens.shape[1]
         self.scale = geometry.head_dim**-0.5
 

@@ -147,8 +147,9 @@ def _float_weights(decoder: Any) -> dict[str, torch.Tensor]:
     ``lm_head.weight`` when untied)."""
     from safetensors import safe_open
 
-    param = decoder.embed_tokens.weight
-    if type(decoder).__name__ not in SUPPORTED_DECODERS or param.device.type != "cpu" or param.dtype != torch.float32:
+    is_llama = type(decoder).__name__ in SUPPORTED_DECODERS
+    param = decoder.embed_tokens.weight if is_llama else None
+    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
         raise BackendUnavailableError(f"the lean backend runs CPU float32 {'/'.join(SUPPORTED_DECODERS)} decoders only")
     if getattr(decoder.config, "attention_bias", False) or getattr(decoder.config, "mlp_bias", False):
         raise BackendUnavailableError("the lean backend runs decoders without projection biases only")
