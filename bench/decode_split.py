@@ -16,7 +16,8 @@ included; the lean path's :mod:`models.lean_linear` ``mm`` calls) and every laye
 time to a counter; the step's wall time comes from the rounds without hooks. ``other_ms`` is
 step minus matmul minus attention (medians): norms, RoPE, activations, residuals, module
 dispatch, step set-up and sampling. A second table times each product kind alone (float32,
-int8, int4) on one SmolLM2 layer's shapes at 1, 32 and 512 rows.
+int8, int4, and the two with bfloat16 activations) on one SmolLM2 layer's shapes at 1, 32 and
+512 rows.
 """
 
 from __future__ import annotations
@@ -150,7 +151,10 @@ def measure_products(repeats: int) -> dict[str, dict[str, dict[int, float]]]:
     result: dict[str, dict[str, dict[int, float]]] = {}
     for product, (out_features, in_features) in PRODUCT_SHAPES.items():
         weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-        linears = {"float32": DenseLinear(weight), "int8": Int8Linear(weight), "int4": int4_round_to_nearest(weight)}
+        linears = {
+            "float32": DenseLinear(weight), "int8": Int8Linear(weight), "int4": int4_round_to_nearest(weight),
+            "int8-bf16": Int8Linear(weight, torch.bfloat16), "int4-bf16": int4_round_to_nearest(weight, activation_dtype=torch.bfloat16),
+        }  # fmt: skip
         result[product] = {kind: {} for kind in linears}
         for rows in PRODUCT_ROWS:
             if product == "lm_head" and rows > 32:
@@ -171,7 +175,7 @@ def measure_products(repeats: int) -> dict[str, dict[str, dict[int, float]]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="eager,lean,lean-int8,lean-int4")
+    parser.add_argument("--kinds", default="eager,lean,lean-int8,lean-int4,lean-int8-bf16,lean-int4-bf16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--context", type=int, default=128, help="context tokens of each decode")
     parser.add_argument("--no-products", action="store_true", help="skip the per-product table")
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     for product, kinds in products.items():
         for kind, by_rows in kinds.items():
             cells = "  ".join(f"M={rows}: {ms:8.3f} ms" for rows, ms in by_rows.items())
-            print(f"{product:8} {kind:8} {cells}")
+            print(f"{product:8} {kind:9} {cells}")
     if args.json:
         args.json.write_text(json.dumps({"load_before": load_before, "load_after": load_after, "steps": steps, "products": products}, indent=2))
 

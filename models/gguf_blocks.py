@@ -64,10 +64,12 @@ def q4_1_projections(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict
     return result
 
 
-def q4_1_linear(rows: np.ndarray) -> Int4Linear:
-    """An :class:`Int4Linear` of Q4_1 ``rows`` ``[N, K // 32 * 20]`` uint8."""
+def q4_1_linear(rows: np.ndarray, activation_dtype: torch.dtype = torch.float32) -> Int4Linear:
+    """An :class:`Int4Linear` of Q4_1 ``rows`` ``[N, K // 32 * 20]`` uint8 (computing in
+    ``activation_dtype``: see :class:`Int4Linear`)."""
     q, scale, minimum = _q4_1_fields(rows)
-    return Int4Linear(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(scale), torch.from_numpy(minimum), Q4_1_BLOCK_VALUES)
+    q_tensor, scale_tensor, minimum_tensor = (torch.from_numpy(a) for a in (q.astype(np.int32), scale, minimum))
+    return Int4Linear(q_tensor, scale_tensor, minimum_tensor, Q4_1_BLOCK_VALUES, activation_dtype)
 
 
 def q4_1_dequantized(rows: np.ndarray) -> torch.Tensor:

@@ -4,8 +4,9 @@ The products are checked on small random weights against a float reference (int4
 blocks: against the ``gguf`` package's own dequantization, exactly). On SmolLM2, cut to its first
 layers like the compiled-backend test: ``lean`` and ``lean-int4`` (built from the GGUF's Q4_1
 blocks, whose weights are exactly eager's) must give eager's greedy tokens up to a near-tie
-(:func:`tests.e2e.reference.assert_greedy_close`); ``lean-int8`` is lossy, so its decode
-logits, teacher-forced along eager's tokens, must pick eager's top token at
+(:func:`tests.e2e.reference.assert_greedy_close`); ``lean-int8`` is lossy (and so are
+``lean-int8-bf16`` and ``lean-int4-bf16``, whose activations and scales are rounded to bfloat16),
+so its decode logits, teacher-forced along eager's tokens, must pick eager's top token at
 ``INT8_MIN_TOP1_AGREEMENT`` of the positions with a mean KL(eager || int8) of at most
 ``INT8_MAX_MEAN_KL_NATS``. Measured on these 3 prompts x 16 tokens: 6 layers, agreement 0.958
 (2 of 48 differ, at top-2 logprob gaps of 3e-5 and 0.02), mean KL 0.0017 nats (max 0.013); all
@@ -140,18 +141,33 @@ def teacher_forced_logits(runner: Any, prompt: list[int], continuation: list[int
     return torch.cat(rows).float()
 
 
-def test_int8_decode_logits_agree_with_eager_within_the_gate_thresholds(smollm2: Any) -> None:
+@pytest.mark.parametrize("kind", ["lean-int8", "lean-int8-bf16", "lean-int4-bf16"])
+def test_lossy_kinds_decode_logits_agree_with_eager_within_the_thresholds(smollm2: Any, kind: str) -> None:
     from models.causal_lm import CausalLMRunner
 
     model, prompts, num_blocks, want = smollm2
     eager = CausalLMRunner(model, num_blocks, BLOCK_SIZE)
-    int8 = CausalLMRunner(model, num_blocks, BLOCK_SIZE, backend="lean-int8")
+    lossy = CausalLMRunner(model, num_blocks, BLOCK_SIZE, backend=kind)
     agree, kls = [], []
     for prompt, tokens in zip(prompts, want):
         reference = torch.log_softmax(teacher_forced_logits(eager, prompt, tokens), dim=-1)
-        got = torch.log_softmax(teacher_forced_logits(int8, prompt, tokens), dim=-1)
+        got = torch.log_softmax(teacher_forced_logits(lossy, prompt, tokens), dim=-1)
         agree.append((got.argmax(-1) == reference.argmax(-1)).float())
         kls.append((reference.exp() * (reference - got)).sum(-1))
     agreement, mean_kl = float(torch.cat(agree).mean()), float(torch.cat(kls).mean())
     assert agreement >= INT8_MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.3f}"
     assert mean_kl <= INT8_MAX_MEAN_KL_NATS, f"mean KL {mean_kl:.4f} nats"
+
+
+def test_bfloat16_activations_give_float32_results_within_bfloat16_rounding() -> None:
+    from models.lean_linear import Int8Linear, int4_round_to_nearest
+
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    for exact, fast in (
+        (Int8Linear(weight), Int8Linear(weight, torch.bfloat16)),
+        (int4_round_to_nearest(weight), int4_round_to_nearest(weight, activation_dtype=torch.bfloat16)),
+    ):
+        got = fast.mm(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, exact.mm(x), atol=2e-2, rtol=2e-2)
