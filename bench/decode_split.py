@@ -62,7 +62,8 @@ class SplitTimer:
         from models.cpu_linear import PackedLinear
         from models.lean_linear import DenseLinear, Int4Linear, Int8Linear
 
-        patches = [(cls, name, "matmul_s") for cls, name in ((PackedLinear, "forward"), (DenseLinear, "mm"), (Int8Linear, "mm"), (Int4Linear, "mm"))]
+        owners: list[tuple[Any, str]] = [(PackedLinear, "forward"), (DenseLinear, "mm"), (Int8Linear, "mm"), (Int4Linear, "mm")]
+        patches = [(owner, name, "matmul_s") for owner, name in owners]
         patches += [(attention, "attend_packed", "attention_s"), (llama_lean, "attend_packed", "attention_s")]
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
         for (owner, name, counter), (_, _, original) in zip(patches, saved):
@@ -146,12 +147,13 @@ def measure_products(repeats: int) -> dict[str, dict[str, dict[int, float]]]:
     shapes, kinds interleaved per round, medians (the LM head at 512 rows left out: int4 takes
     tens of seconds there)."""
     from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest
+    from models.llama_lean import Linear
 
     generator = torch.Generator().manual_seed(0)
     result: dict[str, dict[str, dict[int, float]]] = {}
     for product, (out_features, in_features) in PRODUCT_SHAPES.items():
         weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-        linears = {
+        linears: dict[str, Linear] = {
             "float32": DenseLinear(weight), "int8": Int8Linear(weight), "int4": int4_round_to_nearest(weight),
             "int8-bf16": Int8Linear(weight, torch.bfloat16), "int4-bf16": int4_round_to_nearest(weight, activation_dtype=torch.bfloat16),
         }  # fmt: skip

@@ -161,8 +161,9 @@ class CausalLMRunner:
         has one (``logits``, see :class:`models.backends.base.DecoderParts`), else the model's."""
         backend = self._forward_backend
         active = backend.active if isinstance(backend, FallbackRunner) else backend
-        head = getattr(active, "logits", None)
-        return head(hidden) if head is not None else self.lm_head(hidden)
+        head = getattr(active, "logits", None) or self.lm_head
+        logits: torch.Tensor = head(hidden)
+        return logits
 
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
         """Run the forward once at each step shape so no request pays for compilation; returns

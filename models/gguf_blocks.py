@@ -101,4 +101,5 @@ def _q4_1_fields(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     """Row order of Hugging Face's ``_reverse_permute_weights``: within each head, rows
     ``(j, half)`` of the file become ``(half, j)``."""
-    return np.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+    order: np.ndarray = np.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+    return order

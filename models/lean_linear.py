@@ -39,7 +39,7 @@ class DenseLinear:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
+        self.packed_weight: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
 
     @classmethod
     def from_packed(cls, packed_weight: torch.Tensor, out_features: int, in_features: int) -> "DenseLinear":
@@ -50,7 +50,8 @@ class DenseLinear:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` float32 -> ``[M, N]`` float32."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -80,8 +81,9 @@ class Int8Linear:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` float32 -> ``[M, N]`` float32."""
         if self.activation_dtype == torch.float32:
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        return torch.ops.aten._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self._op_scales).float()
+            out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+            return out
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self._op_scales).float()  # type: ignore[no-any-return]
 
     def dequantized(self) -> torch.Tensor:
         """``[N, K]`` float32: the weight this layer multiplies by."""
@@ -116,7 +118,7 @@ class Int4Linear:
         if self.in_features % group_size or self.in_features % tile:
             raise ValueError(f"int4 weights need in_features divisible by {group_size} and {tile}, got {self.in_features}")
         self.group_size = group_size
-        self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INT4_INNER_K_TILES)
+        self.packed_weight: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INT4_INNER_K_TILES)
         # [K // G, N, 2]: (scale, zero) with zero = m + 8 d, since the op dequantizes (q - 8) * scale + zero.
         self.scales_and_zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1).float().contiguous()
         self.activation_dtype = activation_dtype
@@ -124,10 +126,10 @@ class Int4Linear:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` float32 -> ``[M, N]`` float32."""
-        if self.activation_dtype == torch.float32:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, self.scales_and_zeros)
+        scales_and_zeros = self.scales_and_zeros if self.activation_dtype == torch.float32 else self._op_scales_and_zeros
         x = x.to(self.activation_dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, self._op_scales_and_zeros).float()
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, scales_and_zeros)
+        return out.float()
 
     def dequantized(self) -> torch.Tensor:
         """``[N, K]`` float32: the weight this layer multiplies by (the op run on an identity)."""

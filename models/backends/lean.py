@@ -172,7 +172,7 @@ def _float_weights(decoder: Any) -> dict[str, torch.Tensor]:
     param = decoder.embed_tokens.weight if is_llama else None
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
         raise BackendUnavailableError(f"the lean backend runs CPU float32 {'/'.join(SUPPORTED_DECODERS)} decoders only")
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         raise BackendUnavailableError("the lean backend needs oneDNN (torch.backends.mkldnn) for its float32 products")
     if getattr(decoder.config, "attention_bias", False) or getattr(decoder.config, "mlp_bias", False):
         raise BackendUnavailableError("the lean backend runs decoders without projection biases only")
