@@ -15,7 +15,8 @@ Kinds:
         folder, round-to-nearest int4, group 32, the LM head included; lossy.
     ``lean-int8-bf16``, ``lean-int4-bf16``: the same weights, the products computed with
         bfloat16 activations and scales (the result back in float32); lossy, int4 too (Q4_1's
-        float16 ``d`` does not survive bfloat16).
+        float16 ``d`` does not survive bfloat16), so ``lean-int4-bf16``'s LM head is int8 where
+        the file's is not Q4_1.
 
 A product of more than :data:`MAX_QUANTIZED_ROWS` rows (a prefill chunk, a decode batch of more
 than 4) runs on the eager modules' float32 prepacked weights, unfused (no extra memory: those
@@ -33,8 +34,10 @@ With float32 activations torch's ops are 8-25x slower than oneDNN's float32 prod
 one row (``lean-int8`` / ``lean-int4`` decode1 steps: 3.7x / 6.7x eager's); with bfloat16
 activations they are about 2x faster at one row, even at 4, slower beyond. A whole decode step
 of one sequence (same run, load 3.3 on 2 cores): eager 37.0 ms, lean 28.6, lean-int8-bf16
-19.4, lean-int4-bf16 15.2. So only the bf16 kinds pay, at small batches, and the exact int4
-kind needs a kernel of our own (float32 activations, float32 ``d`` and ``m``).
+19.4, lean-int4-bf16 15.2 (a later run, load 3.4: eager 26.0, lean 21.7, lean-int4-bf16 with
+its int8 head 9.7); at 32 sequences every kind is within 5% of lean (products run float32).
+So only the bf16 kinds pay, at small batches, and the exact int4 kind needs a kernel of our own
+(float32 activations, float32 ``d`` and ``m``).
 
 Built from the folder's safetensors (the float32 weights the eager path loaded, before
 :func:`models.cpu_linear.prepack_linears` reordered them), so the backend needs a CPU float32
@@ -211,7 +214,9 @@ def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> Quantiz
             return int4_round_to_nearest(weight, activation_dtype=activation_dtype)
         names = [(layer, name) for name in projection.split("+")]
         if not all(key in blocks for key in names):
-            return None  # not Q4_1 in the file (the LM head): float32 keeps it exact
+            # Not Q4_1 in the file (the LM head): float32 keeps it exact; a bfloat16 kind is lossy
+            # anyway, and its head's int8 is 1.7x faster than float32 at one row.
+            return None if activation_dtype == torch.float32 else Int8Linear(weight, activation_dtype)
         rows = np.concatenate([blocks[key] for key in names])
         if not torch.equal(q4_1_dequantized(rows), weight):
             raise BackendUnavailableError(f"layer {layer} {projection}: the GGUF's Q4_1 weights differ from the float32 weights")
