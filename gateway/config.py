@@ -137,10 +137,11 @@ class BucketConfig(_Strict):
     # Latency targets kept by adjusting the batch knobs at run time (None: knobs stay as set).
     slo: SLOConfig | None = None
     # How the bucket's forward runs (models/backends): eager; compiled (torch.compile); onnx
-    # (ONNX Runtime, embedding models only) with quantization none (FP32) or int8; auto: what
+    # (ONNX Runtime, embedding models only) with quantization none (FP32) or int8; lean (Sluice's
+    # own Llama forward, generation models only) with quantization none, int8 or int4; auto: what
     # the bucket's gate record enabled (`sluice gate`), else eager.
-    backend: Literal["eager", "compiled", "onnx", "auto"] = "eager"
-    quantization: Literal["none", "int8"] = "none"
+    backend: Literal["eager", "compiled", "onnx", "lean", "auto"] = "eager"
+    quantization: Literal["none", "int8", "int4"] = "none"
 
     @property
     def bucket_name(self) -> str:
@@ -196,8 +197,11 @@ class ModelConfig(_Strict):
                 raise ValueError(f"buckets.{i}.batcher.kind: a {self.task} model needs '{want}', got '{b.batcher.kind}'")
             if b.backend == "onnx" and self.task != "embed":
                 raise ValueError(f"buckets.{i}.backend: onnx runs embedding models only; {self.name} generates")
-            if b.quantization != "none" and b.backend != "onnx":
-                raise ValueError(f"buckets.{i}.quantization: {b.quantization} needs backend onnx, got {b.backend}")
+            if b.backend == "lean" and self.task != "generate":
+                raise ValueError(f"buckets.{i}.backend: lean runs generation models only; {self.name} embeds")
+            quantizing = {"int8": ("onnx", "lean"), "int4": ("lean",)}.get(b.quantization, (b.backend,))
+            if b.backend not in quantizing:
+                raise ValueError(f"buckets.{i}.quantization: {b.quantization} needs backend {' or '.join(quantizing)}, got {b.backend}")
             if isinstance(b.batcher, ContinuousBatcherConfig) and b.batcher.max_num_batched_tokens < b.batcher.max_num_seqs:
                 raise ValueError(
                     f"buckets.{i}.batcher.max_num_batched_tokens: {b.batcher.max_num_batched_tokens} is below "

@@ -92,14 +92,31 @@ def packed_attention(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    step.kv_cache.write(layer, step.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, num_heads, head_dim]
+    out = attend_packed(step, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale)
+    return out.unsqueeze(0), None
+
+
+def attend_packed(step: PackedStep, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer's attention of a packed step in the packed layout (steps 1-3 of the module
+    docstring); what :func:`packed_attention` runs for Hugging Face modules and
+    :mod:`models.llama_lean` runs directly.
+
+    Args:
+        step: the step's slots, decode block tables and prefill segments.
+        layer: the layer index (which pool tensors to write and read).
+        query: ``[T, num_heads, head_dim]``; key, value: ``[T, num_kv_heads, head_dim]``, RoPE
+            already applied (any strides).
+        scale: multiplies ``q . k`` before the softmax.
+    Returns:
+        ``[T, num_heads, head_dim]``, the dtype of ``query``.
+    """
+    step.kv_cache.write(layer, step.slot_mapping, key, value)
+    out = query.new_empty(query.shape)
     num_decode = step.num_decode_tokens
     if num_decode:
         out[:num_decode] = paged_decode_attention(
-            query[0, :, :num_decode].transpose(0, 1).contiguous(),
+            query[:num_decode].contiguous(),
             step.kv_cache.key_cache(layer),
             step.kv_cache.value_cache(layer),
             step.block_tables,
@@ -109,12 +126,13 @@ def packed_attention(
     for seg in step.prefills:
         end = seg.start + seg.num_tokens
         if seg.position == 0:
-            k, v = key[:, :, seg.start : end], value[:, :, seg.start : end]
+            k, v = key[seg.start : end].transpose(0, 1).unsqueeze(0), value[seg.start : end].transpose(0, 1).unsqueeze(0)
         else:
             assert seg.block_ids is not None, "a chunk after a prefix needs its block table"
             k, v = step.kv_cache.gather(layer, seg.block_ids, seg.position + seg.num_tokens)
-        out[seg.start : end] = _attend(query[:, :, seg.start : end], k, v, seg.position, scale)[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+        q = query[seg.start : end].transpose(0, 1).unsqueeze(0)
+        out[seg.start : end] = _attend(q, k, v, seg.position, scale)[0].transpose(0, 1)
+    return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, scale: float) -> torch.Tensor:

@@ -78,7 +78,7 @@ class CausalLMRunner:
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         eager = EagerDecoder(self.decoder, dummy_mask)
-        self._primary = build_decoder(backend, DecoderParts(self.decoder, self.kv_cache, dummy_mask))
+        self._primary = build_decoder(backend, DecoderParts(self.decoder, self.kv_cache, dummy_mask, self.lm_head))
         self._forward_backend: DecoderBackend = (
             eager if self._primary.name == eager.name else FallbackRunner(self._primary, eager, on_fallback)
         )
@@ -126,7 +126,7 @@ class CausalLMRunner:
                     sampling.append(_Sampling(seq_id, params, seq.num_top_logprobs, seq.prompt_token_ids))
         if not sampling:
             return ForwardOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
-        logits = self.lm_head(hidden[0, torch.tensor(rows, device=self.device)]).float()
+        logits = self._logits(hidden[0, torch.tensor(rows, device=self.device)]).float()
         asking = [i for i, s in enumerate(sampling) if s.num_top_logprobs is not None]
         # Indexing copies the rows, so logits processors that work in place cannot reach them.
         raw = logits[torch.tensor(asking, device=self.device)] if asking else None
@@ -174,10 +174,19 @@ class CausalLMRunner:
             computed: list[TokenLogprobs] = []
             for offset in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
                 chunk = targets[offset : offset + _PROMPT_LOGPROB_ROWS]
-                logits = self.lm_head(hidden[0, start + offset : start + offset + len(chunk)])
+                logits = self._logits(hidden[0, start + offset : start + offset + len(chunk)])
                 computed.extend(token_logprobs(logits, chunk, [seq.num_top_logprobs or 0] * len(chunk)))
             result[seq.seq_id] = computed
         return result
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden_size]`` -> ``[R, vocab_size]``: the serving backend's own LM head when it
+        has one (``logits``, see :class:`models.backends.base.DecoderParts`), else the model's."""
+        backend = self._forward_backend
+        active = backend.active if isinstance(backend, FallbackRunner) else backend
+        head = getattr(active, "logits", None) or self.lm_head
+        logits: torch.Tensor = head(hidden)
+        return logits
 
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> float:
         """Run the forward once at each step shape so no request pays for compilation; returns

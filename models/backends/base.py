@@ -104,12 +104,17 @@ class EncoderParts:
 @dataclass(frozen=True)
 class DecoderParts:
     """What a decoder factory builds a backend from: the runner's decoder module
-    (``model.model``), its KV pool (:class:`models.kv_cache.PagedKVCache`) and its prepared
-    dummy 4D attention mask."""
+    (``model.model``), its KV pool (:class:`models.kv_cache.PagedKVCache`), its prepared
+    dummy 4D attention mask, and the model's output embedding module (``[hidden] -> [vocab]``).
+
+    A backend that also has ``logits(hidden: [R, hidden_size]) -> [R, vocab_size]`` float32
+    owns the LM head: the runner calls it instead of ``lm_head`` while that backend serves.
+    """
 
     decoder: Any
     kv_cache: Any
     attention_mask: torch.Tensor
+    lm_head: Any = None
 
 
 def warm_up_encoder(backend: EncoderBackend, shapes: Sequence[tuple[int, int]], device: torch.device | str = "cpu") -> float:

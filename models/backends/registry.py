@@ -1,4 +1,5 @@
-"""The backend registry: a kind (``eager``, ``compiled``, ``onnx-fp32``, ``onnx-int8``) to a
+"""The backend registry: a kind (``eager``, ``compiled``, ``onnx-fp32``, ``onnx-int8``, ``lean``,
+``lean-int8``, ``lean-int4``, ``lean-int8-bf16``, ``lean-int4-bf16``) to a
 factory, for encoders and for decoders.
 
 Each backend module registers its own kinds (its ``ENCODER_FACTORIES`` / ``DECODER_FACTORIES``);
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from models.backends import compiled, eager, onnx
+from models.backends import compiled, eager, lean, onnx
 from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts, EncoderBackend, EncoderParts
 
 ENCODER_FACTORIES: dict[str, Callable[[EncoderParts], EncoderBackend]] = {
@@ -24,6 +25,7 @@ ENCODER_FACTORIES: dict[str, Callable[[EncoderParts], EncoderBackend]] = {
 DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
     **eager.DECODER_FACTORIES,
     **compiled.DECODER_FACTORIES,
+    **lean.DECODER_FACTORIES,
 }
 F = TypeVar("F")
 # A bucket's configured ``(backend, quantization)`` to the kind it runs (``auto`` goes to a gate).
@@ -32,6 +34,9 @@ CONFIGURED_KINDS: dict[tuple[str, str], str] = {
     ("compiled", "none"): "compiled",
     ("onnx", "none"): "onnx-fp32",
     ("onnx", "int8"): "onnx-int8",
+    ("lean", "none"): "lean",
+    ("lean", "int8"): "lean-int8",
+    ("lean", "int4"): "lean-int4",
 }
 
 

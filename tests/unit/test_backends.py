@@ -72,8 +72,8 @@ def test_the_same_fallback_wraps_a_decoder_and_passes_every_input_through() -> N
 
 def test_the_registry_maps_every_kind_and_refuses_unknown_ones() -> None:
     assert set(ENCODER_FACTORIES) == {"eager", "compiled", "onnx-fp32", "onnx-int8"}
-    assert set(DECODER_FACTORIES) == {"eager", "compiled"}
-    assert set(CONFIGURED_KINDS.values()) <= set(ENCODER_FACTORIES)
+    assert set(DECODER_FACTORIES) == {"eager", "compiled", "lean", "lean-int8", "lean-int4", "lean-int8-bf16", "lean-int4-bf16"}
+    assert set(CONFIGURED_KINDS.values()) <= set(ENCODER_FACTORIES) | set(DECODER_FACTORIES)
     assert CONFIGURED_KINDS[("onnx", "int8")] == "onnx-int8"
     parts = EncoderParts(model=None, folder=Path("."), cache_dir=Path("."), num_threads=1, device="cpu")
     with pytest.raises(BackendUnavailableError, match="unknown encoder backend 'tensorrt'"):
@@ -102,6 +102,10 @@ def test_backend_and_quantization_rules() -> None:
     parse_config(with_bucket(1, backend="auto"))
     assert "onnx runs embedding models only" in config_error(with_bucket(0, backend="onnx"))
     assert "quantization: int8 needs backend onnx" in config_error(with_bucket(1, backend="auto", quantization="int8"))
+    parse_config(with_bucket(0, backend="lean", quantization="int4"))
+    parse_config(with_bucket(0, backend="lean", quantization="int8"))
+    assert "lean runs generation models only" in config_error(with_bucket(1, backend="lean"))
+    assert "quantization: int4 needs backend lean" in config_error(with_bucket(1, backend="onnx", quantization="int4"))
     with pytest.raises(ConfigError, match="backend"):
         parse_config(with_bucket(1, backend="tensorrt"))
     with pytest.raises(ConfigError, match="gate.min_speedup"):

@@ -1,0 +1,251 @@
+"""The ``lean`` decoder backends: Sluice's own Llama forward (:mod:`models.llama_lean`), float32,
+int8 or int4 weights.
+
+Kinds:
+    ``lean``: float32, fused QKV and gate/up products (new concatenated copies: 279 MB for
+        SmolLM2-135M), the O, down and LM-head products sharing the eager modules' oneDNN
+        prepacked weights. Greedy tokens equal eager's up to near-ties (float order only).
+    ``lean-int8``: every product, the LM head included, weight-only int8 per output channel
+        (:class:`models.lean_linear.Int8Linear`); lossy.
+    ``lean-int4``: the products int4 group-wise (:class:`models.lean_linear.Int4Linear`). From a
+        GGUF model whose projections are Q4_1, the file's own blocks (:mod:`models.gguf_blocks`):
+        their weights equal the eager path's float32 weights exactly (checked at build; greedy
+        tokens equal eager's up to near-ties). The LM head stays float32 there (SmolLM2's tied
+        embedding is Q8_0, group-wise symmetric int8, which neither op expresses). From a float
+        folder, round-to-nearest int4, group 32, the LM head included; lossy.
+    ``lean-int8-bf16``, ``lean-int4-bf16``: the same weights, the products computed with
+        bfloat16 activations and scales (the result back in float32); lossy, int4 too (Q4_1's
+        float16 ``d`` does not survive bfloat16), so ``lean-int4-bf16``'s LM head is int8 where
+        the file's is not Q4_1.
+
+A product of more than :data:`MAX_QUANTIZED_ROWS` rows (a prefill chunk, a decode batch of more
+than 4) runs on the eager modules' float32 prepacked weights, unfused (no extra memory: those
+are the eager fallback's), since torch's weight-only CPU ops are GEMV kernels whose time grows
+about linearly with the rows. Side by side on this project's AVX-512 (BF16, VNNI) machine, one
+thread, one SmolLM2 layer's products on random weights (``python -m bench.decode_split``), ms
+at 1 / 32 / 512 rows:
+
+    gate_up [3072, 576]  float32 0.149 / 0.749 / 7.5   int8 1.13 / 38.4 / 626   int4 2.59 / 82.2 / 1333
+                         int8-bf16 0.075 / 0.842 / 12.4   int4-bf16 0.056 / 0.689 / 10.9
+    LM head [49152, 576] float32 3.25 / 10.5   int8 18.3 / 625   int4 41.5 / 1340   int8-bf16 1.88 / 14.1
+                         int4-bf16 1.07 / 11.6
+
+With float32 activations torch's ops are 8-25x slower than oneDNN's float32 product even at
+one row (``lean-int8`` / ``lean-int4`` decode1 steps: 3.7x / 6.7x eager's); with bfloat16
+activations they are about 2x faster at one row, even at 4, slower beyond. A whole decode step
+of one sequence (same run, load 3.3 on 2 cores): eager 37.0 ms, lean 28.6, lean-int8-bf16
+19.4, lean-int4-bf16 15.2 (a later run, load 3.4: eager 26.0, lean 21.7, lean-int4-bf16 with
+its int8 head 9.7); at 32 sequences every kind is within 5% of lean (products run float32).
+So only the bf16 kinds pay, at small batches, and the exact int4 kind needs a kernel of our own
+(float32 activations, float32 ``d`` and ``m``).
+
+Built from the folder's safetensors (the float32 weights the eager path loaded, before
+:func:`models.cpu_linear.prepack_linears` reordered them), so the backend needs a CPU float32
+``LlamaModel`` loaded from a folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.attention import PackedStep
+from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts
+from models.cpu_linear import PackedLinear
+from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_projections
+from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest
+from models.llama_lean import LeanGeometry, LeanLayer, LeanLlama, Linear
+
+SUPPORTED_DECODERS = ("LlamaModel",)
+# Rows up to which a product runs on the quantized op; above, on the float32 weights (bfloat16
+# activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache, 1 thread).
+MAX_QUANTIZED_ROWS = 4
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+# (layer, projection, float32 weight [out, in]) -> its quantized product, or None to keep float32.
+QuantizeFn = Callable[[int, str, torch.Tensor], Linear | None]
+
+
+class LeanDecoder:
+    """A :class:`models.llama_lean.LeanLlama` as a decoder backend; it owns the LM head
+    (:meth:`logits`), which the runner calls instead of the model's while this backend serves."""
+
+    def __init__(self, name: str, model: LeanLlama):
+        self.name = name
+        self.model = model
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
+        """Last hidden states ``[1, T, hidden_size]`` of the packed tokens."""
+        return self.model.hidden_states(input_ids, position_ids, step)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden_size]`` -> ``[R, vocab_size]`` float32."""
+        return self.model.logits(hidden)
+
+
+class SwitchedLinear:
+    """``quantized`` for at most ``max_rows`` rows, else ``dense`` (same product, float32 weights)."""
+
+    def __init__(self, quantized: Linear, dense: Linear, max_rows: int):
+        self.quantized, self.dense, self.max_rows = quantized, dense, max_rows
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantized.mm(x) if x.shape[0] <= self.max_rows else self.dense.mm(x)
+
+
+class ConcatLinear:
+    """Several products of one input side by side (the eager modules' Q, K, V or gate, up)."""
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.mm(x) for part in self.parts], dim=1)
+
+
+def build_lean(parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_quantized_rows: int = 0) -> LeanDecoder:
+    """The lean backend over ``parts.decoder``'s weights; ``quantize(layer, projection, weight)``
+    (``layer`` -1 for the LM head) makes the quantized product of each float32 weight
+    ``[out, in]``, run for products of at most ``max_quantized_rows`` rows; ``None`` for the
+    float32 kind.
+
+    Raises:
+        BackendUnavailableError: not a CPU float32 Llama decoder loaded from a folder with
+            safetensors, the model has projection biases, torch has no oneDNN, or (int4 from a
+            GGUF file) the file's Q4_1 weights differ from the folder's.
+    """
+    decoder = parts.decoder
+    weights = _float_weights(decoder)
+    config = decoder.config
+    layers: list[LeanLayer] = []
+    for i in range(config.num_hidden_layers):
+        modules = {p: getattr(getattr(decoder.layers[i], owner), p) for p, owner in PROJECTIONS.items()}
+
+        def product(*names: str) -> Linear:
+            float_weights = [weights[f"layers.{i}.{PROJECTIONS[n]}.{n}.weight"] for n in names]
+            if quantize is None:
+                return _dense([modules[n] for n in names], float_weights)
+            # Beside quantized weights the float32 product is the eager modules' own, unfused.
+            unfused = [_dense([modules[n]], [w]) for n, w in zip(names, float_weights)]
+            dense = unfused[0] if len(unfused) == 1 else ConcatLinear(unfused)
+            quantized = quantize(i, "+".join(names), torch.cat(float_weights))
+            return dense if quantized is None else SwitchedLinear(quantized, dense, max_quantized_rows)
+
+        layers.append(LeanLayer(
+            input_norm=decoder.layers[i].input_layernorm.weight.detach(),
+            post_attention_norm=decoder.layers[i].post_attention_layernorm.weight.detach(),
+            qkv=product("q_proj", "k_proj", "v_proj"), o=product("o_proj"),
+            gate_up=product("gate_proj", "up_proj"), down=product("down_proj"),
+        ))  # fmt: skip
+    head_weight = weights.get("lm_head.weight", weights["embed_tokens.weight"])
+    head: Linear = _dense([parts.lm_head], [head_weight])
+    quantized_head = None if quantize is None else quantize(-1, "lm_head", head_weight)
+    if quantized_head is not None:
+        head = SwitchedLinear(quantized_head, head, max_quantized_rows)
+    model = LeanLlama(
+        LeanGeometry.from_config(config), decoder.embed_tokens.weight.detach(), layers, decoder.norm.weight.detach(),
+        decoder.rotary_emb, head,
+    )
+    return LeanDecoder(name, model)
+
+
+def _dense(modules: list[Any], weights: list[torch.Tensor]) -> Linear:
+    """The float32 product of ``weights`` stacked by rows: a new fused prepacked copy when there
+    are several, else the eager module's own prepacked weight (a new one when it is not a
+    :class:`models.cpu_linear.PackedLinear`)."""
+    if len(weights) > 1:
+        return DenseLinear(torch.cat(weights))
+    module = modules[0]
+    if isinstance(module, PackedLinear) and module.bias is None:
+        return DenseLinear.from_packed(module.packed_weight, module.out_features, module.in_features)
+    return DenseLinear(weights[0])
+
+
+def _float_weights(decoder: Any) -> dict[str, torch.Tensor]:
+    """The decoder's float32 weights from its folder's safetensors, keyed without the base
+    model prefix (``layers.0.self_attn.q_proj.weight``, ``embed_tokens.weight``;
+    ``lm_head.weight`` when untied)."""
+    from safetensors import safe_open
+
+    is_llama = type(decoder).__name__ in SUPPORTED_DECODERS
+    param = decoder.embed_tokens.weight if is_llama else None
+    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
+        raise BackendUnavailableError(f"the lean backend runs CPU float32 {'/'.join(SUPPORTED_DECODERS)} decoders only")
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        raise BackendUnavailableError("the lean backend needs oneDNN (torch.backends.mkldnn) for its float32 products")
+    if getattr(decoder.config, "attention_bias", False) or getattr(decoder.config, "mlp_bias", False):
+        raise BackendUnavailableError("the lean backend runs decoders without projection biases only")
+    files = sorted(Path(str(decoder.config._name_or_path)).glob("*.safetensors"))
+    if not files:
+        raise BackendUnavailableError(f"no safetensors in {decoder.config._name_or_path!r} to build the lean backend from")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            for key in handle.keys():
+                short = key.removeprefix("model.")
+                if short.startswith(("layers.", "embed_tokens.")) or short == "lm_head.weight":
+                    weights[short] = handle.get_tensor(key).float()
+    return weights
+
+
+def _int8_factory(activation_dtype: torch.dtype) -> QuantizeFn:
+    """int8 products of every weight, computing in ``activation_dtype``."""
+
+    def quantize(layer: int, projection: str, weight: torch.Tensor) -> Linear | None:
+        return Int8Linear(weight, activation_dtype)
+
+    return quantize
+
+
+def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> QuantizeFn:
+    """int4 products: the GGUF file's own Q4_1 blocks where it has them (checked equal to the
+    float32 weights), else round-to-nearest; the LM head float32 when the file's is not Q4_1.
+    They compute in ``activation_dtype``."""
+    config = parts.decoder.config
+    source = gguf_source(Path(str(config._name_or_path)))
+    blocks = {} if source is None else q4_1_projections(source, config.num_attention_heads, config.num_key_value_heads)
+
+    def quantize(layer: int, projection: str, weight: torch.Tensor) -> Linear | None:
+        if not blocks:
+            return int4_round_to_nearest(weight, activation_dtype=activation_dtype)
+        names = [(layer, name) for name in projection.split("+")]
+        if not all(key in blocks for key in names):
+            # Not Q4_1 in the file (the LM head): float32 keeps it exact; a bfloat16 kind is lossy
+            # anyway, and its head's int8 is 1.7x faster than float32 at one row.
+            return None if activation_dtype == torch.float32 else Int8Linear(weight, activation_dtype)
+        rows = np.concatenate([blocks[key] for key in names])
+        if not torch.equal(q4_1_dequantized(rows), weight):
+            raise BackendUnavailableError(f"layer {layer} {projection}: the GGUF's Q4_1 weights differ from the float32 weights")
+        return q4_1_linear(rows, activation_dtype)
+
+    return quantize
+
+
+def _lean(parts: DecoderParts) -> DecoderBackend:
+    return build_lean(parts, "lean", None)
+
+
+def _lean_int8(parts: DecoderParts) -> DecoderBackend:
+    return build_lean(parts, "lean-int8", _int8_factory(torch.float32), MAX_QUANTIZED_ROWS)
+
+
+def _lean_int4(parts: DecoderParts) -> DecoderBackend:
+    return build_lean(parts, "lean-int4", _int4_factory(parts, torch.float32), MAX_QUANTIZED_ROWS)
+
+
+def _lean_int8_bf16(parts: DecoderParts) -> DecoderBackend:
+    return build_lean(parts, "lean-int8-bf16", _int8_factory(torch.bfloat16), MAX_QUANTIZED_ROWS)
+
+
+def _lean_int4_bf16(parts: DecoderParts) -> DecoderBackend:
+    return build_lean(parts, "lean-int4-bf16", _int4_factory(parts, torch.bfloat16), MAX_QUANTIZED_ROWS)
+
+
+DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
+    "lean": _lean, "lean-int8": _lean_int8, "lean-int4": _lean_int4,
+    "lean-int8-bf16": _lean_int8_bf16, "lean-int4-bf16": _lean_int4_bf16,
+}  # fmt: skip

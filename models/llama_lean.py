@@ -1,0 +1,134 @@
+"""A Llama-family decoder forward written for Sluice's packed layout, without Hugging Face modules.
+
+The eager path calls the Hugging Face decoder, which dispatches every layer op by op through
+module calls (about 30 layers of ``nn.Module.__call__``, hooks, kwargs plumbing). This forward
+runs the same weights as a flat loop over plain tensors, in the manner of nano-vllm's
+``qwen3.py`` and gpt-fast's ``model.py``: per layer one fused QKV product and one fused
+gate/up product (weights concatenated once at load, as nano-vllm's ``QKVParallelLinear`` and
+``MergedColumnParallelLinear``), torch's fused RMSNorm, RoPE applied to Q and K together with
+the cos/sin the model's own rotary module computes once per step, SiLU-mul, and the packed
+paged attention (:func:`models.attention.attend_packed`: the C++ kernel for decodes, SDPA for
+prefill segments). Per layer that is about 20 op dispatches and no module call.
+
+Numerics match the eager path up to float reduction order: same weights, same formulas (RMSNorm
+``x / sqrt(mean(x^2) + eps) * w``; RoPE ``q * cos + rotate_half(q) * sin`` as Hugging Face's
+``apply_rotary_pos_emb``), the products only grouped differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from models.attention import PackedStep, attend_packed
+
+
+class Linear(Protocol):
+    """A product ``x @ W.T``: ``[M, in_features]`` float32 -> ``[M, out_features]`` float32
+    (:mod:`models.lean_linear`)."""
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class LeanLayer:
+    """One decoder layer's weights: the two RMSNorm weights ``[hidden]`` and four products,
+    ``qkv`` (``[hidden] -> [(num_heads + 2 * num_kv_heads) * head_dim]``, Q rows then K then V),
+    ``o`` (``[num_heads * head_dim] -> [hidden]``), ``gate_up`` (``[hidden] ->
+    [2 * intermediate]``, gate rows then up) and ``down`` (``[intermediate] -> [hidden]``)."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True)
+class LeanGeometry:
+    """The shapes and constants of a Llama-family config."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_config(cls, config: Any) -> "LeanGeometry":
+        num_heads = config.num_attention_heads
+        return cls(
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+        )
+
+
+class LeanLlama:
+    """The packed forward over :class:`LeanLayer` weights.
+
+    Args:
+        geometry: the config's shapes.
+        embed_tokens: ``[vocab, hidden]`` float32 input embedding.
+        layers: every layer's weights, in order.
+        final_norm: ``[hidden]`` weight of the last RMSNorm.
+        rotary: the model's own rotary module (``decoder.rotary_emb``), called once per step as
+            ``rotary(x, position_ids) -> (cos, sin)``, each ``[1, T, head_dim]``.
+        lm_head: the output product ``[hidden] -> [vocab]``.
+    """
+
+    def __init__(
+        self, geometry: LeanGeometry, embed_tokens: torch.Tensor, layers: list[LeanLayer], final_norm: torch.Tensor, rotary: Any,
+        lm_head: Linear,
+    ):
+        self.geometry, self.embed_tokens, self.layers = geometry, embed_tokens, layers
+        self.final_norm, self.rotary, self.lm_head = final_norm, rotary, lm_head
+        self.hidden_size = embed_tokens.shape[1]
+        self.scale = geometry.head_dim**-0.5
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
+        """Last hidden states ``[1, T, hidden]`` of the packed ``[1, T]`` ``input_ids`` at
+        ``position_ids``; writes every layer's new K/V into the step's pool."""
+        x = F.embedding(input_ids[0], self.embed_tokens)  # [T, hidden]
+        cos, sin = self.rotary(x.unsqueeze(0), position_ids)
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        for index, layer in enumerate(self.layers):
+            x = self._layer(index, layer, x, cos, sin, step)
+        return self._norm(x, self.final_norm).unsqueeze(0)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden]`` final hidden rows -> ``[R, vocab]`` float32 logits."""
+        return self.lm_head.mm(hidden.contiguous())
+
+    def _layer(
+        self, index: int, layer: LeanLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PackedStep
+    ) -> torch.Tensor:
+        """One decoder layer on ``x`` ``[T, hidden]`` (returned updated, a new tensor)."""
+        g = self.geometry
+        num_tokens = x.shape[0]
+        qkv = layer.qkv.mm(self._norm(x, layer.input_norm))
+        num_qk_heads = g.num_heads + g.num_kv_heads
+        qk = _rotate(qkv[:, : num_qk_heads * g.head_dim].view(num_tokens, num_qk_heads, g.head_dim), cos, sin)
+        v = qkv[:, num_qk_heads * g.head_dim :].view(num_tokens, g.num_kv_heads, g.head_dim)
+        attn = attend_packed(step, index, qk[:, : g.num_heads], qk[:, g.num_heads :], v, self.scale)
+        x = x + layer.o.mm(attn.view(num_tokens, -1))
+        gate_up = layer.gate_up.mm(self._norm(x, layer.post_attention_norm))
+        act = F.silu(gate_up[:, : g.intermediate_size]).mul_(gate_up[:, g.intermediate_size :])
+        return x.add_(layer.down.mm(act))
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.hidden_size,), weight, self.geometry.rms_norm_eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, head_dim]``: Hugging
+    Face's ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x2, x1)``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos).add_(rotated.mul_(sin))
