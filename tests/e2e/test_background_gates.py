@@ -76,6 +76,16 @@ def assert_embeddings_correct(body: dict[str, Any], reference: torch.Tensor) -> 
     assert float(torch.nn.functional.cosine_similarity(served, reference, dim=-1).min()) >= 0.999
 
 
+async def embed_all(client: Any, reference: torch.Tensor, statuses: list[int]) -> None:
+    """Each of :data:`TEXTS` twice, concurrently, through ``client``: every answer a 200 with its
+    reference embedding; the statuses are appended to ``statuses``."""
+    batch = [client.post("/v1/embeddings", json={"model": EMBED_MODEL, "input": [t]}) for t in TEXTS * 2]
+    for response, text in zip(await asyncio.gather(*batch), TEXTS * 2):
+        statuses.append(response.status_code)
+        assert response.status_code == 200, response.text
+        assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
+
+
 def events(log_path: Path, name: str) -> list[dict[str, Any]]:
     found = []
     for line in log_path.read_text().splitlines():
@@ -287,13 +297,6 @@ def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches
     monkeypatch.setattr(gate_process, "measure_in_child", injected_gate)
     reference = hf_embeddings(hf_encoder, TEXTS)
 
-    async def embed_all(client: Any, statuses: list[int]) -> None:
-        batch = [client.post("/v1/embeddings", json={"model": EMBED_MODEL, "input": [t]}) for t in TEXTS * 2]
-        for response, text in zip(await asyncio.gather(*batch), TEXTS * 2):
-            statuses.append(response.status_code)
-            assert response.status_code == 200, response.text
-            assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
-
     async def scenario(logs: list[dict[str, Any]]) -> list[int]:
         statuses: list[int] = []
         app = create_app(config)
@@ -304,14 +307,14 @@ def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches
             assert bucket.backend_info["running"] == "eager" and bucket.backend_info["gate_state"] in {"pending", "running"}
             health = await client.get("/health", params={"verbose": "true"})
             assert health.json()["gates"][0]["state"] in {"pending", "running"}
-            await embed_all(client, statuses)  # served on eager while the gate is pending
+            await embed_all(client, reference, statuses)  # served on eager while the gate is pending
             gate_may_finish.set()
             deadline = time.monotonic() + GATE_TIMEOUT_S
             while "backend_switched" not in {e["event"] for e in logs}:
                 if time.monotonic() > deadline:
                     pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
-                await embed_all(client, statuses)
-            await embed_all(client, statuses)  # served by the new batcher
+                await embed_all(client, reference, statuses)
+            await embed_all(client, reference, statuses)  # served by the new batcher
             assert app.state.engine.models[EMBED_MODEL].table.buckets == [bucket]  # the same bucket, rebuilt in the worker
             assert (bucket.backend_info["running"], bucket.backend_info["gate_state"]) == ("onnx-fp32", "done")
             health = await client.get("/health", params={"verbose": "true"})
@@ -362,13 +365,6 @@ def test_a_later_start_with_a_current_record_serves_on_eager_at_once_then_builds
     monkeypatch.setattr(owner, name, held_rebuild)
     reference = hf_embeddings(hf_encoder, TEXTS)
 
-    async def embed_all(client: Any, statuses: list[int]) -> None:
-        batch = [client.post("/v1/embeddings", json={"model": EMBED_MODEL, "input": [t]}) for t in TEXTS * 2]
-        for response, text in zip(await asyncio.gather(*batch), TEXTS * 2):
-            statuses.append(response.status_code)
-            assert response.status_code == 200, response.text
-            assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
-
     async def scenario(logs: list[dict[str, Any]]) -> list[int]:
         statuses: list[int] = []
         app = create_app(config)
@@ -379,14 +375,14 @@ def test_a_later_start_with_a_current_record_serves_on_eager_at_once_then_builds
             assert bucket.backend_info["gate"]["chosen"] == "onnx-fp32"  # the record, shown while it builds
             health = await client.get("/health", params={"verbose": "true"})
             assert health.json()["gates"] == [{"model": EMBED_MODEL, "bucket": "le32", "state": "building"}]
-            await embed_all(client, statuses)  # served on eager while the winner waits to be built
+            await embed_all(client, reference, statuses)  # served on eager while the winner waits to be built
             build_may_start.set()
             deadline = time.monotonic() + GATE_TIMEOUT_S
             while "backend_switched" not in {e["event"] for e in logs}:
                 if time.monotonic() > deadline:
                     pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
-                await embed_all(client, statuses)
-            await embed_all(client, statuses)  # served by the new bucket
+                await embed_all(client, reference, statuses)
+            await embed_all(client, reference, statuses)  # served by the new bucket
             built = app.state.engine.models[EMBED_MODEL].table.buckets[0]
             assert (built.backend_info["running"], built.backend_info["gate_state"]) == ("onnx-fp32", "done")
             health = await client.get("/health", params={"verbose": "true"})
