@@ -312,6 +312,22 @@ def tool_token_chunks(served: ServedModel, response_id: str, choice: Choice, ite
     return chunks
 
 
+def _timeout_chunks(
+    served: ServedModel, response_id: str, fmt: ResponseFormat, choices: dict[int, Choice], echo_pending: dict[int, str]
+) -> list[str]:
+    """The last chunk of every unfinished choice when the deadline passed mid-generation, with
+    ``finish_reason: timeout`` and the text it still held back (an echo's prompt, a possible
+    tool call)."""
+    null_text = None if fmt is ResponseFormat.CHAT else ""
+    chunks = []
+    for index, choice in sorted(choices.items()):
+        if choice.finish_reason is None:
+            choice.finish_reason = "timeout"
+            held = choice.tool_reader.held_text if choice.tool_reader is not None else null_text
+            chunks.append(_chunk(served, response_id, fmt, index, echo_pending.pop(index, held), "timeout"))
+    return chunks
+
+
 async def stream_response(
     served: ServedModel,
     response_id: str,
@@ -336,7 +352,6 @@ async def stream_response(
     with the prompt's. With ``tools``, a choice's text that may be a tool call is held back
     and sent at its end as content or ``delta.tool_calls`` (:func:`tool_token_chunks`)."""
     choices = _choices(served, sources, n, fmt, tools)
-    null_text = None if fmt is ResponseFormat.CHAT else ""
     include_usage_now = include_usage
     try:
         opening, echo_pending = _opening_chunks(served, response_id, choices, fmt, echo)
@@ -348,11 +363,8 @@ async def stream_response(
                 include_usage_now = False
                 break  # the client hung up before the stream began
             if isinstance(item, Interrupt):
-                for index, choice in sorted(choices.items()):
-                    if choice.finish_reason is None:
-                        choice.finish_reason = "timeout"
-                        held = choice.tool_reader.held_text if choice.tool_reader is not None else null_text
-                        yield _chunk(served, response_id, fmt, index, echo_pending.pop(index, held), "timeout")
+                for chunk in _timeout_chunks(served, response_id, fmt, choices, echo_pending):
+                    yield chunk
                 break
             if isinstance(item, ErrorEvent):
                 yield _sse(to_api_error(item.error).body())

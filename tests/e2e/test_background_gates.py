@@ -86,6 +86,15 @@ async def embed_all(client: Any, reference: torch.Tensor, statuses: list[int]) -
         assert_embeddings_correct(response.json(), reference[TEXTS.index(text)].unsqueeze(0))
 
 
+async def embed_until_switched(client: Any, reference: torch.Tensor, statuses: list[int], logs: list[dict[str, Any]]) -> None:
+    """:func:`embed_all` again and again until ``logs`` hold a ``backend_switched``."""
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while "backend_switched" not in {e["event"] for e in logs}:
+        if time.monotonic() > deadline:
+            pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
+        await embed_all(client, reference, statuses)
+
+
 def events(log_path: Path, name: str) -> list[dict[str, Any]]:
     found = []
     for line in log_path.read_text().splitlines():
@@ -309,11 +318,7 @@ def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches
             assert health.json()["gates"][0]["state"] in {"pending", "running"}
             await embed_all(client, reference, statuses)  # served on eager while the gate is pending
             gate_may_finish.set()
-            deadline = time.monotonic() + GATE_TIMEOUT_S
-            while "backend_switched" not in {e["event"] for e in logs}:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
-                await embed_all(client, reference, statuses)
+            await embed_until_switched(client, reference, statuses, logs)
             await embed_all(client, reference, statuses)  # served by the new batcher
             assert app.state.engine.models[EMBED_MODEL].table.buckets == [bucket]  # the same bucket, rebuilt in the worker
             assert (bucket.backend_info["running"], bucket.backend_info["gate_state"]) == ("onnx-fp32", "done")
@@ -377,11 +382,7 @@ def test_a_later_start_with_a_current_record_serves_on_eager_at_once_then_builds
             assert health.json()["gates"] == [{"model": EMBED_MODEL, "bucket": "le32", "state": "building"}]
             await embed_all(client, reference, statuses)  # served on eager while the winner waits to be built
             build_may_start.set()
-            deadline = time.monotonic() + GATE_TIMEOUT_S
-            while "backend_switched" not in {e["event"] for e in logs}:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no switch in {GATE_TIMEOUT_S} s: {[e['event'] for e in logs]}")
-                await embed_all(client, reference, statuses)
+            await embed_until_switched(client, reference, statuses, logs)
             await embed_all(client, reference, statuses)  # served by the new bucket
             built = app.state.engine.models[EMBED_MODEL].table.buckets[0]
             assert (built.backend_info["running"], built.backend_info["gate_state"]) == ("onnx-fp32", "done")
