@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -35,11 +35,11 @@ class TokenMask:
     allowed: torch.Tensor
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's ``[r, ceil(vocab_size / 32)]`` int32 CPU bitmask (bit ``j % 32`` of word
-    ``j // 32`` is token ``j``; little-endian words, so bit ``j % 8`` of byte ``j // 8``) as a
+def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """llguidance's ``[r, ceil(vocab_size / 32)]`` int32 bitmask (bit ``j % 32`` of word ``j // 32``
+    is token ``j``; little-endian words, so bit ``j % 8`` of byte ``j // 8``) as a
     ``[r, vocab_size]`` bool CPU tensor, by numpy's ``unpackbits`` (one C pass, no int32 temporaries)."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
     return torch.from_numpy(bits.view(np.bool_))
 
 
@@ -114,8 +114,10 @@ class SequenceMatchers:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         vocab_size = self._cache.vocab_size
-        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        # llguidance's numpy helpers, not its torch ones: ``llguidance.torch`` imports Dynamo and
+        # Inductor (about 0.5 s of every gateway's and worker's start) for a kernel we do not use.
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         rows = torch.tensor([row for row, _, _ in constrained], dtype=torch.int64, device=device)
         return TokenMask(rows, unpack_bitmask(bitmask, vocab_size).to(device, non_blocking=True))
 

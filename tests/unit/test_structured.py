@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -95,7 +96,7 @@ def test_work_past_its_time_limit_is_a_constraint_error() -> None:
 
 
 def test_unpack_bitmask_reads_bit_j_of_word_j_over_32() -> None:
-    bitmask = torch.tensor([[0b101, 0], [0, -(1 << 31)]], dtype=torch.int32)  # bit 31: the sign bit
+    bitmask = np.array([[0b101, 0], [0, -(1 << 31)]], dtype=np.int32)  # bit 31: the sign bit
     allowed = unpack_bitmask(bitmask, 64)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2]
     assert allowed[1].nonzero().flatten().tolist() == [63]
