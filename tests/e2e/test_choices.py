@@ -211,21 +211,3 @@ def test_the_prompt_is_prefilled_once_for_n_choices_on_the_real_model(sluice_mod
     manager = batcher.block_manager
     manager.check_invariants()
     assert manager.num_used_blocks == 0 and runner.num_live_sequences == 0
-
-
-def process_isolation(config: dict[str, Any]) -> None:
-    config["slices"][0]["isolation"] = "process"
-
-
-def test_choices_cross_a_process_slice_whole(server_with, openai_client) -> None:  # type: ignore[no-untyped-def]
-    import openai
-
-    url = server_with(process_isolation).url
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-    here = openai_client.completions.create(model=GENERATE_MODEL, prompt=[PROMPT, "Hello"], n=3, **GREEDY)
-    there = client.completions.create(model=GENERATE_MODEL, prompt=[PROMPT, "Hello"], n=3, **GREEDY)
-    assert [c.text for c in there.choices] == [c.text for c in here.choices]
-    stream = client.completions.create(model=GENERATE_MODEL, prompt=PROMPT, n=2, stream=True, **GREEDY)
-    finished = sorted(c.choices[0].index for c in stream if c.choices[0].finish_reason is not None)
-    assert finished == [0, 1]
-    wait_idle(url)

@@ -5,7 +5,7 @@ One server serves each model twice: under its own name on a process slice, and a
 must match between the two. Killing the worker process while long requests run must leave the
 gateway up: those requests end with a 503 (or, when already streaming, an error chunk), none
 hangs, and once the gateway has restarted the worker new requests succeed. A client that hangs
-up must free its KV blocks in the worker.
+up must free its KV blocks in the worker. ``n`` choices cross the worker pipe whole.
 """
 
 from __future__ import annotations
@@ -128,6 +128,21 @@ def test_logprobs_cross_the_worker_pipe_as_a_thread_slice_computes_them(server: 
     assert ours["tokens"] == theirs["tokens"] and ours["token_logprobs"][0] is None
     assert max(abs(a - b) for a, b in zip(ours["token_logprobs"][1:], theirs["token_logprobs"][1:])) < 1e-5
     assert [sorted(t) for t in ours["top_logprobs"][1:]] == [sorted(t) for t in theirs["top_logprobs"][1:]]
+
+
+def test_choices_cross_the_worker_pipe_whole(server: tuple[str, Path]) -> None:
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    greedy = {"prompt": [PROMPT, "Hello"], "n": 3, "temperature": 0, "max_tokens": 8}
+    here = client.completions.create(model=GENERATE_MODEL + "-thread", **greedy)  # type: ignore[call-overload]
+    there = client.completions.create(model=GENERATE_MODEL, **greedy)  # type: ignore[call-overload]
+    assert [c.text for c in there.choices] == [c.text for c in here.choices] and len(there.choices) == 6
+    stream = client.completions.create(model=GENERATE_MODEL, prompt=PROMPT, n=2, stream=True, temperature=0, max_tokens=8)
+    finished = sorted(c.choices[0].index for c in stream if c.choices[0].finish_reason is not None)
+    assert finished == [0, 1]
+    _wait_for_stats(url, lambda s: s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0)
 
 
 async def _long_request(client: httpx.AsyncClient, stream: bool) -> tuple[int, str]:
