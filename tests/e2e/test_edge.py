@@ -1,21 +1,20 @@
 """The edge against a real server: every request logged once (4xx included) and counted, a
 ``/metrics`` Content-Type that strict parsers take, no generation-only series for embedding
-buckets, the admin API saying how to enable it, and 422s naming the config path with a code."""
+buckets, the admin API saying how to enable it, and 422s naming the config path with a code (on
+the shared admin server)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
+from tests.e2e.conftest import ADMIN_TOKEN, EMBED_MODEL, GENERATE_MODEL, Server
 
-TOKEN = "edge-test-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def _requests_total(url: str) -> dict[tuple[str, str, str], float]:
@@ -95,10 +94,9 @@ def test_the_admin_api_off_says_how_to_enable_it(server_url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder: Path = tmp_path_factory.mktemp("edge")
-    with run_server(CONFIG, folder / "server.log", env={"SLUICE_ADMIN_TOKEN": TOKEN}) as url:
-        yield url
+def admin_url(admin_server: Server) -> str:
+    """The shared admin server: a refused patch leaves it as it was."""
+    return admin_server.url
 
 
 @pytest.mark.parametrize(
