@@ -56,14 +56,19 @@ import torch
 from models.attention import PackedStep
 from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts
 from models.cpu_linear import PackedLinear
-from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_projections
-from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest
+from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_projections, q8_0_head
+from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest, kernel_isa
 from models.llama_lean import LeanGeometry, LeanLayer, LeanLlama, Linear
+from models.quant_kernels import Isa
 
 SUPPORTED_DECODERS = ("LlamaModel",)
-# Rows up to which a product runs on the quantized op; above, on the float32 weights (bfloat16
-# activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache, 1 thread).
-MAX_QUANTIZED_ROWS = 4
+# Rows up to which a product runs quantized; above, on the float32 weights. torch's ops (bfloat16
+# activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache, 1 thread):
+TORCH_OP_MAX_ROWS = 4
+# Our kernel, per ISA path (float32 activations; figures in the module docstring). AVX-512: on a
+# par with oneDNN's float32 product at 4 rows, slower at 8. AVX2: measured forced on the AVX-512
+# machine, where oneDNN still runs AVX-512: on a par at 1 row, 2x slower at 4.
+KERNEL_MAX_ROWS = {Isa.AVX512: 4, Isa.AVX2: 1}
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 # (layer, projection, float32 weight [out, in]) -> its quantized product, or None to keep float32.
@@ -203,8 +208,9 @@ def _int8_factory(activation_dtype: torch.dtype) -> QuantizeFn:
 
 def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> QuantizeFn:
     """int4 products: the GGUF file's own Q4_1 blocks where it has them (checked equal to the
-    float32 weights), else round-to-nearest; the LM head float32 when the file's is not Q4_1.
-    They compute in ``activation_dtype``."""
+    float32 weights), else round-to-nearest. The LM head where the file's is Q8_0: those blocks,
+    exact, through our kernel (float32 activations), or per-channel int8 (bfloat16, lossy anyway);
+    else float32. They compute in ``activation_dtype``."""
     config = parts.decoder.config
     source = gguf_source(Path(str(config._name_or_path)))
     blocks = {} if source is None else q4_1_projections(source, config.num_attention_heads, config.num_key_value_heads)
@@ -212,11 +218,11 @@ def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> Quantiz
     def quantize(layer: int, projection: str, weight: torch.Tensor) -> Linear | None:
         if not blocks:
             return int4_round_to_nearest(weight, activation_dtype=activation_dtype)
+        if layer < 0:
+            return _gguf_head(source, weight, activation_dtype)
         names = [(layer, name) for name in projection.split("+")]
         if not all(key in blocks for key in names):
-            # Not Q4_1 in the file (the LM head): float32 keeps it exact; a bfloat16 kind is lossy
-            # anyway, and its head's int8 is 1.7x faster than float32 at one row.
-            return None if activation_dtype == torch.float32 else Int8Linear(weight, activation_dtype)
+            return None  # not Q4_1 in the file: float32 keeps it exact
         rows = np.concatenate([blocks[key] for key in names])
         if not torch.equal(q4_1_dequantized(rows), weight):
             raise BackendUnavailableError(f"layer {layer} {projection}: the GGUF's Q4_1 weights differ from the float32 weights")
@@ -225,24 +231,57 @@ def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> Quantiz
     return quantize
 
 
+def _gguf_head(source: Path | None, weight: torch.Tensor, activation_dtype: torch.dtype) -> Linear | None:
+    """The LM head of a GGUF model's int4 kinds (see :func:`_int4_factory`); ``weight`` the
+    float32 head ``[vocab, hidden]``.
+
+    Raises:
+        BackendUnavailableError: the file's Q8_0 head differs from ``weight``.
+    """
+    if activation_dtype != torch.float32:
+        return Int8Linear(weight, activation_dtype)  # 1.7x faster than float32 at one row
+    head = None if source is None or kernel_isa() is None else q8_0_head(source)
+    if head is None:
+        return None
+    linear = Int8Linear.from_blocks(*head)
+    if not torch.equal(linear.dequantized(), weight):
+        raise BackendUnavailableError("the GGUF's Q8_0 LM head differs from the float32 weights")
+    return linear
+
+
+def _quantized_rows(activation_dtype: torch.dtype) -> int:
+    """The most rows a product of ``activation_dtype`` runs quantized (see :data:`KERNEL_MAX_ROWS`).
+
+    Raises:
+        BackendUnavailableError: ``SLUICE_KERNEL_ISA`` is wrong (the message names it).
+    """
+    if activation_dtype != torch.float32:
+        return TORCH_OP_MAX_ROWS
+    try:
+        isa = kernel_isa()
+    except ValueError as exc:
+        raise BackendUnavailableError(str(exc)) from None
+    return TORCH_OP_MAX_ROWS if isa is None else KERNEL_MAX_ROWS[isa]
+
+
 def _lean(parts: DecoderParts) -> DecoderBackend:
     return build_lean(parts, "lean", None)
 
 
 def _lean_int8(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int8", _int8_factory(torch.float32), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int8", _int8_factory(torch.float32), _quantized_rows(torch.float32))
 
 
 def _lean_int4(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int4", _int4_factory(parts, torch.float32), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int4", _int4_factory(parts, torch.float32), _quantized_rows(torch.float32))
 
 
 def _lean_int8_bf16(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int8-bf16", _int8_factory(torch.bfloat16), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int8-bf16", _int8_factory(torch.bfloat16), _quantized_rows(torch.bfloat16))
 
 
 def _lean_int4_bf16(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int4-bf16", _int4_factory(parts, torch.bfloat16), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int4-bf16", _int4_factory(parts, torch.bfloat16), _quantized_rows(torch.bfloat16))
 
 
 DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {

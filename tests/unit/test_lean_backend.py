@@ -72,7 +72,7 @@ def test_int8_and_int4_products_stay_within_half_a_quantization_step() -> None:
     int8 = Int8Linear(weight)
     assert float((int8.dequantized() - weight).abs().max()) <= float(int8.scales.max()) / 2 + 1e-7
     int4 = int4_round_to_nearest(weight)
-    step = int4.scales_and_zeros[..., 0].t().repeat_interleave(32, dim=1)  # [N, K]
+    step = int4.scale.repeat_interleave(32, dim=1)  # [N, K]
     assert bool(((int4.dequantized() - weight).abs() <= step / 2 + 1e-6).all())
     x = torch.randn(5, 128)
     torch.testing.assert_close(int8.mm(x), x @ int8.dequantized().t(), atol=1e-4, rtol=1e-4)
