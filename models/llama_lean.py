@@ -96,10 +96,13 @@ class LeanLlama:
         """Last hidden states ``[1, T, hidden]`` of the packed ``[1, T]`` ``input_ids`` at
         ``position_ids``; writes every layer's new K/V into the step's pool."""
         x = F.embedding(input_ids[0], self.embed_tokens)  # [T, hidden]
-        cos, sin = self.rotary(x.unsqueeze(0), position_ids)
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        cos, sin = self.rotary(x.unsqueeze(0), position_ids)  # [1, T, head_dim]
+        half = self.geometry.head_dim // 2
+        # [T, 1, 2, half]: cos by halves, and sin with the sign rotate_half gives its first half.
+        cos_halves = cos[0].view(-1, 1, 2, half)
+        signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).view(-1, 1, 2, half)
         for index, layer in enumerate(self.layers):
-            x = self._layer(index, layer, x, cos, sin, step)
+            x = self._layer(index, layer, x, cos_halves, signed_sin, step)
         return self._norm(x, self.final_norm).unsqueeze(0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,7 +112,8 @@ class LeanLlama:
     def _layer(
         self, index: int, layer: LeanLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PackedStep
     ) -> torch.Tensor:
-        """One decoder layer on ``x`` ``[T, hidden]`` (returned updated, a new tensor)."""
+        """One decoder layer on ``x`` ``[T, hidden]`` (returned updated, a new tensor); ``cos``,
+        ``sin`` as :func:`_rotate` takes them."""
         g = self.geometry
         num_tokens = x.shape[0]
         qkv = layer.qkv.mm(self._norm(x, layer.input_norm))
@@ -126,9 +130,11 @@ class LeanLlama:
         return F.rms_norm(x, (self.hidden_size,), weight, self.geometry.rms_norm_eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, head_dim]``: Hugging
-    Face's ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x2, x1)``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos).add_(rotated.mul_(sin))
+def _rotate(x: torch.Tensor, cos_halves: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[T, heads, head_dim]`` (a new contiguous tensor): Hugging Face's ``x * cos
+    + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, as ``x * cos + flip(x) *
+    signed_sin`` over the halves (``cos_halves``, ``signed_sin`` ``[T, 1, 2, head_dim // 2]``,
+    ``signed_sin = cat(-sin1, sin2)``): three ops instead of five."""
+    num_tokens, heads, head_dim = x.shape
+    halves = x.view(num_tokens, heads, 2, head_dim // 2)
+    return torch.addcmul(halves * cos_halves, halves.flip(-2), signed_sin).view(num_tokens, heads, head_dim)

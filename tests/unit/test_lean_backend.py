@@ -171,3 +171,16 @@ def test_bfloat16_activations_give_float32_results_within_bfloat16_rounding() ->
         got = fast.mm(x)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, exact.mm(x), atol=2e-2, rtol=2e-2)
+
+
+def test_rope_by_halves_equals_hugging_faces() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from models.llama_lean import _rotate
+
+    generator = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 9, 64, generator=generator), torch.randn(3, 3, 64, generator=generator)
+    cos, sin = torch.randn(3, 1, 64, generator=generator), torch.randn(3, 1, 64, generator=generator)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0], unsqueeze_dim=1)
+    signed_sin = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1).view(3, 1, 2, 32)
+    torch.testing.assert_close(_rotate(torch.cat([q, k], dim=1), cos.view(3, 1, 2, 32), signed_sin), torch.cat([want_q, want_k], dim=1))
