@@ -8,36 +8,57 @@ Kinds:
     ``lean-int8``: every product, the LM head included, weight-only int8 per output channel
         (:class:`models.lean_linear.Int8Linear`); lossy.
     ``lean-int4``: the products int4 group-wise (:class:`models.lean_linear.Int4Linear`). From a
-        GGUF model whose projections are Q4_1, the file's own blocks (:mod:`models.gguf_blocks`):
-        their weights equal the eager path's float32 weights exactly (checked at build; greedy
-        tokens equal eager's up to near-ties). The LM head stays float32 there (SmolLM2's tied
-        embedding is Q8_0, group-wise symmetric int8, which neither op expresses). From a float
-        folder, round-to-nearest int4, group 32, the LM head included; lossy.
-    ``lean-int8-bf16``, ``lean-int4-bf16``: the same weights, the products computed with
+        GGUF model whose projections are Q4_1, the file's own blocks (:mod:`models.gguf_blocks`)
+        and, where the LM head (SmolLM2's tied embedding) is Q8_0, its blocks as group-wise int8:
+        all their weights equal the eager path's float32 weights exactly (checked at build;
+        greedy tokens equal eager's up to near-ties). From a float folder, round-to-nearest int4,
+        group 32, the LM head included; lossy.
+    ``lean-int8-bf16``, ``lean-int4-bf16``: the same weights through torch's weight-only ops with
         bfloat16 activations and scales (the result back in float32); lossy, int4 too (Q4_1's
-        float16 ``d`` does not survive bfloat16), so ``lean-int4-bf16``'s LM head is int8 where
-        the file's is not Q4_1.
+        float16 ``d`` does not survive bfloat16), and ``lean-int4-bf16``'s LM head is int8 per
+        channel.
 
-A product of more than :data:`MAX_QUANTIZED_ROWS` rows (a prefill chunk, a decode batch of more
-than 4) runs on the eager modules' float32 prepacked weights, unfused (no extra memory: those
-are the eager fallback's), since torch's weight-only CPU ops are GEMV kernels whose time grows
-about linearly with the rows. Side by side on this project's AVX-512 (BF16, VNNI) machine, one
-thread, one SmolLM2 layer's products on random weights (``python -m bench.decode_split``), ms
-at 1 / 32 / 512 rows:
+With float32 activations the quantized products run Sluice's kernel
+(:mod:`models.quant_kernels`, AVX-512 or AVX2, exact on the dequantized weights). A product of
+more rows than :data:`KERNEL_MAX_ROWS` for the ISA (:data:`TORCH_OP_MAX_ROWS` for torch's ops)
+runs on the eager modules' float32 prepacked weights, unfused: no extra memory, since the eager
+fallback keeps those modules anyway (so prefill needs them, and no bytes are saved by the
+quantized kinds; ``lean-int4``'s Q8_0 head adds 31.8 MB beside eager's float32 embedding).
 
-    gate_up [3072, 576]  float32 0.149 / 0.749 / 7.5   int8 1.13 / 38.4 / 626   int4 2.59 / 82.2 / 1333
-                         int8-bf16 0.075 / 0.842 / 12.4   int4-bf16 0.056 / 0.689 / 10.9
-    LM head [49152, 576] float32 3.25 / 10.5   int8 18.3 / 625   int4 41.5 / 1340   int8-bf16 1.88 / 14.1
-                         int4-bf16 1.07 / 11.6
+Figures, side by side in one run (``python -m bench.decode_split --repeats 3 --threads 1,2``) on
+this project's AVX-512 machine (2 cores, load 2.8-3.5 from other work), SmolLM2-135M, context
+128; ``@avx2`` forces the kernel's AVX2 path (oneDNN's float32 products still run AVX-512). Whole
+steps, ms (step = matmul + attention + other):
 
-With float32 activations torch's ops are 8-25x slower than oneDNN's float32 product even at
-one row (``lean-int8`` / ``lean-int4`` decode1 steps: 3.7x / 6.7x eager's); with bfloat16
-activations they are about 2x faster at one row, even at 4, slower beyond. A whole decode step
-of one sequence (same run, load 3.3 on 2 cores): eager 37.0 ms, lean 28.6, lean-int8-bf16
-19.4, lean-int4-bf16 15.2 (a later run, load 3.4: eager 26.0, lean 21.7, lean-int4-bf16 with
-its int8 head 9.7); at 32 sequences every kind is within 5% of lean (products run float32).
-So only the bf16 kinds pay, at small batches, and the exact int4 kind needs a kernel of our own
-(float32 activations, float32 ``d`` and ``m``).
+    threads  kind            decode1 (mm / attn / other)   decode32   prefill512
+    1        eager           26.8 (20.4 / 1.2 / 5.1)       89.3       716
+    1        lean            21.5 (17.7 / 1.2 / 2.6)       85.1       836
+    1        lean-int8       12.1 (8.5 / 1.1 / 2.6)        84.0       (noise)
+    1        lean-int4       10.3 (7.5 / 1.1 / 1.8)        85.3       869
+    1        lean-int4@avx2  12.5 (9.6 / 1.0 / 1.9)        84.4       722
+    1        lean-int4-bf16   9.6 (6.5 / 1.2 / 1.9)        84.7       754
+    2        eager           21.3 (14.1 / 1.2 / 5.9)       57.5       377
+    2        lean            14.7 (12.2 / 1.2 / 1.3)       56.7       381
+    2        lean-int8        7.8 (5.2 / 1.1 / 1.5)        53.2       399
+    2        lean-int4        7.5 (4.4 / 1.0 / 2.1)        50.8       397
+    2        lean-int4@avx2   8.6 (5.5 / 1.1 / 2.1)        55.6       383
+    2        lean-int4-bf16   7.7 (4.6 / 1.0 / 2.1)        52.7       387
+
+At 32 sequences and in prefill every kind runs float32 products, within noise of ``lean``. Each
+product alone, one thread, random weights, ms at 1 / 4 / 8 / 32 / 512 rows:
+
+    gate_up [3072, 576]  float32 0.149 / 0.109 / 0.157 / 0.516 / 7.1
+                         int4@avx512 0.052 / 0.082 / 0.158 / 0.629 / 10.8   int8@avx512 0.046 / 0.080 / 0.159
+                         int4@avx2 0.087 / 0.203 / 0.401 / 1.64 / 26.9     int4-bf16 0.052 / 0.086 / 0.167
+    LM head [49152, 576] float32 3.44 / 3.37 / 5.13 / 10.2
+                         int8@avx512 (the Q8_0 head) 1.65 / 1.85 / 6.64   int8@avx2 2.90 / 3.14 / 7.85
+
+So the kernel's AVX-512 path is 2.9x (gate_up) and 2.1x (head) faster than float32 at one row,
+as fast at 4-8, slower beyond; its AVX2 path, against AVX-512 oneDNN, about 1.7x at one row and
+2x slower at 4 (on an AVX2-only machine oneDNN runs AVX2 too: not measured here). A tiled GEMM
+(128 dequantized channels per tile through ``at::mm``) lost to oneDNN's float32 product at every
+row count and was dropped. Torch's weight-only ops with float32 activations are 8-25x slower
+than float32 (no longer used where the kernel runs).
 
 Built from the folder's safetensors (the float32 weights the eager path loaded, before
 :func:`models.cpu_linear.prepack_linears` reordered them), so the backend needs a CPU float32

@@ -3,7 +3,8 @@
 The products are checked on small random weights against a float reference (int4 from Q4_1
 blocks: against the ``gguf`` package's own dequantization, exactly). On SmolLM2, cut to its first
 layers like the compiled-backend test: ``lean`` and ``lean-int4`` (built from the GGUF's Q4_1
-blocks, whose weights are exactly eager's) must give eager's greedy tokens up to a near-tie
+blocks and its Q8_0 LM head, whose weights are exactly eager's, through the C++ kernel) must
+give eager's greedy tokens up to a near-tie
 (:func:`tests.e2e.reference.assert_greedy_close`); ``lean-int8`` is lossy (and so are
 ``lean-int8-bf16`` and ``lean-int4-bf16``, whose activations and scales are rounded to bfloat16),
 so its decode logits, teacher-forced along eager's tokens, must pick eager's top token at
