@@ -185,3 +185,16 @@ def test_rope_by_halves_equals_hugging_faces() -> None:
     want_q, want_k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0], unsqueeze_dim=1)
     signed_sin = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1).view(3, 1, 2, 32)
     torch.testing.assert_close(_rotate(torch.cat([q, k], dim=1), cos.view(3, 1, 2, 32), signed_sin), torch.cat([want_q, want_k], dim=1))
+
+
+def test_without_the_kernel_the_products_run_torchs_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    import models.lean_linear as lean_linear
+
+    monkeypatch.setattr(lean_linear, "kernel_isa", lambda: None)
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * 0.05
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6))
+    for linear in (lean_linear.Int8Linear(weight), lean_linear.int4_round_to_nearest(weight)):
+        assert linear.isa is None
+        torch.testing.assert_close(linear.mm(x), x @ linear.dequantized().t(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="kernel"):
+        lean_linear.Int8Linear.from_blocks(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2))
