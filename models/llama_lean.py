@@ -5,10 +5,12 @@ module calls (about 30 layers of ``nn.Module.__call__``, hooks, kwargs plumbing)
 runs the same weights as a flat loop over plain tensors, in the manner of nano-vllm's
 ``qwen3.py`` and gpt-fast's ``model.py``: per layer one fused QKV product and one fused
 gate/up product (weights concatenated once at load, as nano-vllm's ``QKVParallelLinear`` and
-``MergedColumnParallelLinear``), torch's fused RMSNorm, RoPE applied to Q and K together with
-the cos/sin the model's own rotary module computes once per step, SiLU-mul, and the packed
-paged attention (:func:`models.attention.attend_packed`: the C++ kernel for decodes, SDPA for
-prefill segments). Per layer that is about 20 op dispatches and no module call.
+``MergedColumnParallelLinear``), RMSNorm in one C++ call each (:mod:`models.quant_kernels`,
+the second with the residual add before it; torch's ``F.rms_norm``, six ops on CPU, where the
+kernel is unavailable), RoPE applied to Q and K together in three ops with the cos/sin the
+model's own rotary module computes once per step, SiLU-mul, and the packed paged attention
+(:func:`models.attention.attend_packed`: the C++ kernel for decodes, SDPA for prefill
+segments). Per layer that is about 15 op dispatches and no module call.
 
 Numerics match the eager path up to float reduction order: same weights, same formulas (RMSNorm
 ``x / sqrt(mean(x^2) + eps) * w``; RoPE ``q * cos + rotate_half(q) * sin`` as Hugging Face's
@@ -23,6 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from models import quant_kernels
 from models.attention import PackedStep, attend_packed
 
 
@@ -91,6 +94,7 @@ class LeanLlama:
         self.final_norm, self.rotary, self.lm_head = final_norm, rotary, lm_head
         self.hidden_size = embed_tokens.shape[1]
         self.scale = geometry.head_dim**-0.5
+        self.has_fused_norm = quant_kernels.kernel() is not None
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
         """Last hidden states ``[1, T, hidden]`` of the packed ``[1, T]`` ``input_ids`` at
@@ -112,7 +116,7 @@ class LeanLlama:
     def _layer(
         self, index: int, layer: LeanLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PackedStep
     ) -> torch.Tensor:
-        """One decoder layer on ``x`` ``[T, hidden]`` (returned updated, a new tensor); ``cos``,
+        """One decoder layer on ``x`` ``[T, hidden]`` (updated in place and returned); ``cos``,
         ``sin`` as :func:`_rotate` takes them."""
         g = self.geometry
         num_tokens = x.shape[0]
@@ -121,13 +125,21 @@ class LeanLlama:
         qk = _rotate(qkv[:, : num_qk_heads * g.head_dim].view(num_tokens, num_qk_heads, g.head_dim), cos, sin)
         v = qkv[:, num_qk_heads * g.head_dim :].view(num_tokens, g.num_kv_heads, g.head_dim)
         attn = attend_packed(step, index, qk[:, : g.num_heads], qk[:, g.num_heads :], v, self.scale)
-        x = x + layer.o.mm(attn.view(num_tokens, -1))
-        gate_up = layer.gate_up.mm(self._norm(x, layer.post_attention_norm))
+        gate_up = layer.gate_up.mm(self._add_norm(x, layer.o.mm(attn.view(num_tokens, -1)), layer.post_attention_norm))
         act = F.silu(gate_up[:, : g.intermediate_size]).mul_(gate_up[:, g.intermediate_size :])
         return x.add_(layer.down.mm(act))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the rows of ``x`` ``[T, hidden]``: the kernel's one call, else torch's."""
+        if self.has_fused_norm:
+            return quant_kernels.rms_norm(x, weight, self.geometry.rms_norm_eps)
         return F.rms_norm(x, (self.hidden_size,), weight, self.geometry.rms_norm_eps)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x += delta`` (in place), then the RMSNorm of ``x``."""
+        if self.has_fused_norm:
+            return quant_kernels.add_rms_norm_(x, delta, weight, self.geometry.rms_norm_eps)
+        return self._norm(x.add_(delta), weight)
 
 
 def _rotate(x: torch.Tensor, cos_halves: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ dequantized exactly in registers (see the C++ file's header): int4 group-wise as
 32, ``w = d * q + m`` (llama.cpp's Q4_1), and int8 symmetric ``w = s * q`` with a group of 32
 (Q8_0) or one scale per output channel, by a GEMV that reads each weight once for all rows (the
 lean backend sends more than a few rows to float32 weights instead: :mod:`models.backends.lean`).
+It also has the lean step's RMSNorm in one call (:func:`rms_norm`, :func:`add_rms_norm_`).
 
 Built and cached like the paged-attention kernel (:class:`models.paged_attention.KernelLoader`:
 on first use, or at install by ``sluice prepare``), its own build folder. The ISA (AVX-512
@@ -113,6 +114,28 @@ def int8_linear(x: torch.Tensor, q8: torch.Tensor, scales: torch.Tensor, isa: Is
         RuntimeError: no kernel. ValueError / TypeError: shapes or dtypes (from the kernel).
     """
     out: torch.Tensor = _module().int8_linear(x, q8, scales, int(isa))
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows of ``x`` ``[T, H]`` float32 as ``x / sqrt(mean(x^2) + eps) * weight`` (``[H]``), in
+    one call (both contiguous).
+
+    Raises:
+        RuntimeError: no kernel. ValueError / TypeError: shapes or dtypes (from the kernel).
+    """
+    out: torch.Tensor = _module().rms_norm(x, weight, eps)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (the residual, ``[T, H]`` float32, contiguous), then
+    :func:`rms_norm` of the new ``x``, in one call.
+
+    Raises:
+        RuntimeError: no kernel. ValueError / TypeError: shapes or dtypes (from the kernel).
+    """
+    out: torch.Tensor = _module().add_rms_norm_(x, delta, weight, eps)
     return out
 
 

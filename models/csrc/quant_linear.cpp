@@ -18,6 +18,9 @@
 // and a tiled variant, dequantizing 128 channels into an L2 buffer for at::mm, lost to it at every
 // row count), so the lean backend sends those to float32 weights.
 //
+// Also the lean step's two RMSNorm calls per layer (rms_norm, and add_rms_norm_ with the residual
+// add before it): one call each where torch's F.rms_norm dispatches six ops on CPU.
+//
 // ISA: the build cache may serve different x86 CPUs, so the compile flags stay at the x86-64
 // baseline. The per-ISA code (below the #else) is written once on a 16-float type F16 and compiled
 // twice: this file includes itself inside namespace avx512 (F16 one __m512, under
@@ -34,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -224,6 +228,58 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
   return run_product(x, n, w, int8_kernels(checked_isa(isa)));
 }
 
+// RMSNorm of one row: out = x / sqrt(mean(x^2) + eps) * w (Hugging Face's LlamaRMSNorm in float32;
+// the sum of squares in 8 partial sums, so only its rounding order differs).
+void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  float partial[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) partial[j] += x[i + j] * x[i + j];
+  for (; i < n; ++i) partial[0] += x[i] * x[i];
+  float sum = 0.0f;
+  for (const float p : partial) sum += p;
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK_TYPE(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "x and w must be float32");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1),
+                    "x must be [rows, hidden] and w [hidden], contiguous, got ", x.sizes(), " and ", w.sizes());
+}
+
+// Rows of x [T, H] normalized (the lean step's input norms): one call instead of torch's six ops.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_norm(x, w);
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * n, wp, static_cast<float>(eps), n, op + r * n);
+  });
+  return out;
+}
+
+// x += delta (the residual, in place), then the rows of x normalized: the lean step's
+// post-attention residual and norm in one call.
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps) {
+  check_norm(x, w);
+  TORCH_CHECK_VALUE(delta.sizes() == x.sizes() && delta.is_contiguous() && delta.scalar_type() == torch::kFloat32,
+                    "delta must be float32 and contiguous, the shape of x ", x.sizes(), ", got ", delta.sizes());
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *xp = x.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < n; ++i) xp[r * n + i] += dp[r * n + i];
+      rms_norm_row(xp + r * n, wp, static_cast<float>(eps), n, op + r * n);
+    }
+  });
+  return out;
+}
+
 std::vector<int64_t> supported_isas() {
   std::vector<int64_t> result;
   for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
@@ -238,6 +294,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("x"), pybind11::arg("q4"), pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("isa"));
   module.def("int8_linear", &int8_linear, "x [M, K] f32 @ (s * q).T, q8 [N, K] i8, s [N, K/group] f32", pybind11::arg("x"),
              pybind11::arg("q8"), pybind11::arg("s"), pybind11::arg("isa"));
+  module.def("rms_norm", &rms_norm, "x [T, H] f32 rows / sqrt(mean(x^2) + eps) * w", pybind11::arg("x"), pybind11::arg("w"),
+             pybind11::arg("eps"));
+  module.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then rms_norm(x, w, eps)", pybind11::arg("x"),
+             pybind11::arg("delta"), pybind11::arg("w"), pybind11::arg("eps"));
   module.def("supported_isas", &supported_isas, "the ISA levels this CPU runs: 1 avx2, 2 avx512");
 }
 

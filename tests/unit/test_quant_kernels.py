@@ -70,3 +70,16 @@ def test_the_isa_switch_forces_a_path_and_names_itself_when_wrong(isas: list[qk.
     assert qk.chosen_isa({qk.ISA_ENV: "avx2"}) == qk.Isa.AVX2
     with pytest.raises(ValueError, match=qk.ISA_ENV):
         qk.chosen_isa({qk.ISA_ENV: "sse9"})
+
+
+def test_rms_norm_and_the_residual_add_before_it_match_torch(isas: list[qk.Isa]) -> None:
+    generator = torch.Generator().manual_seed(2)
+    for rows, hidden in ((1, 576), (37, 100)):
+        x, delta = torch.randn(rows, hidden, generator=generator), torch.randn(rows, hidden, generator=generator)
+        weight = torch.randn(hidden, generator=generator)
+        want = torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-5)
+        torch.testing.assert_close(qk.rms_norm(x, weight, 1e-5), want)
+        residual = x.clone()
+        got = qk.add_rms_norm_(residual, delta, weight, 1e-5)
+        torch.testing.assert_close(residual, x + delta)
+        torch.testing.assert_close(got, torch.nn.functional.rms_norm(x + delta, (hidden,), weight, 1e-5))
