@@ -1,8 +1,9 @@
 """Where a SmolLM2 step's time goes, per decoder kind: matmuls, attention, everything else.
 
-``python -m bench.decode_split [--kinds eager,lean,...] [--repeats N] [--json PATH]``
+``python -m bench.decode_split [--kinds eager,lean,...] [--threads 1,2] [--repeats N] [--json PATH]``
 
-For each kind (:mod:`models.backends.registry`) a :class:`models.causal_lm.CausalLMRunner` runs
+For each kind (:mod:`models.backends.registry`; ``lean-int4@avx2``: built on the AVX2 path of
+:mod:`models.quant_kernels`) and each ``--threads`` count, a :class:`models.causal_lm.CausalLMRunner` runs
 steps through ``run()`` exactly as the batcher calls it (greedy sampling, so the LM head runs
 once per sequence): ``decode1`` (1 sequence), ``decode32`` (32 sequences), both at a context of
 ``--context`` tokens, and ``prefill512`` (one 512-token prompt chunk). Kinds and shapes are
@@ -16,8 +17,8 @@ included; the lean path's :mod:`models.lean_linear` ``mm`` calls) and every laye
 time to a counter; the step's wall time comes from the rounds without hooks. ``other_ms`` is
 step minus matmul minus attention (medians): norms, RoPE, activations, residuals, module
 dispatch, step set-up and sampling. A second table times each product kind alone (float32,
-int8, int4, and the two with bfloat16 activations) on one SmolLM2 layer's shapes at 1, 32 and
-512 rows.
+our kernel's int8 and int4 on each ``--isas`` path, torch's two with bfloat16 activations) on one
+SmolLM2 layer's shapes at 1 to 512 rows.
 """
 
 from __future__ import annotations
@@ -54,43 +55,56 @@ def step_inputs(shape: tuple[int, int], context_tokens: int) -> tuple[Any, Any]:
     return ForwardInput(seqs), ForwardInput([], released_seq_ids=[s.seq_id for s in seqs])
 
 
-def measure_steps(kinds: list[str], repeats: int, context_tokens: int) -> dict[str, dict[str, dict[str, float]]]:
-    """``{kind: {shape: {step_ms, matmul_ms, attention_ms, other_ms}}}``, medians of ``repeats``."""
+def measure_steps(kinds: list[str], repeats: int, context_tokens: int, threads: list[int]) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+    """``{threads: {kind: {shape: {step_ms, matmul_ms, attention_ms, other_ms}}}}``, medians of
+    ``repeats``; a kind ``name@isa`` is the backend built on that path of
+    :mod:`models.quant_kernels` (``SLUICE_KERNEL_ISA``)."""
     from models.causal_lm import CausalLMRunner
     from models.loader import load_model
     from models.source import default_cache_dir
-    from models.step_split import SplitTimer
+    from models.step_split import SplitTimer, forced_isa
 
     loaded = load_model("smollm2", SOURCE, "generate", "float32", "cpu", default_cache_dir())
     per_seq = -(-(context_tokens + 1) // BLOCK_SIZE)
     num_blocks = max(32 * per_seq, 512 // BLOCK_SIZE)
-    runners = {kind: CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend=kind) for kind in kinds}
+    runners = {}
+    for kind in kinds:
+        backend, _, isa = kind.partition("@")
+        with forced_isa(isa or None):
+            runners[kind] = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend=backend)
     timer = SplitTimer()
-    samples: dict[str, dict[str, dict[str, list[float]]]] = {
-        k: {s: {"step_ms": [], "matmul_ms": [], "attention_ms": []} for s in SHAPES} for k in kinds
-    }
+    result: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
     with torch.inference_mode():
-        for shape_name, shape in SHAPES.items():
-            step, release = step_inputs(shape, context_tokens)
-            for kind in kinds:  # untimed warm-up
-                runners[kind].run(step), runners[kind].run(release)
-            for round_index in range(2 * repeats):
-                order = kinds[round_index % len(kinds) :] + kinds[: round_index % len(kinds)]
-                hooked = round_index % 2 == 1
-                for kind in order:
-                    with timer.hooked() if hooked else contextlib.nullcontext():
-                        started = time.perf_counter()
-                        runners[kind].run(step)
-                        elapsed_ms = (time.perf_counter() - started) * 1e3
-                    runners[kind].run(release)
-                    matmul_s, attention_s = timer.take()
-                    figures = samples[kind][shape_name]
-                    if hooked:
-                        figures["matmul_ms"].append(matmul_s * 1e3)
-                        figures["attention_ms"].append(attention_s * 1e3)
-                    else:
-                        figures["step_ms"].append(elapsed_ms)
-    return {k: {s: _split(f) for s, f in shapes.items()} for k, shapes in samples.items()}
+        for num_threads in threads:
+            torch.set_num_threads(num_threads)
+            samples: dict[str, dict[str, dict[str, list[float]]]] = {
+                k: {s: {"step_ms": [], "matmul_ms": [], "attention_ms": []} for s in SHAPES} for k in kinds
+            }
+            for shape_name, shape in SHAPES.items():
+                step, release = step_inputs(shape, context_tokens)
+                for kind in kinds:  # untimed warm-up
+                    runners[kind].run(step), runners[kind].run(release)
+                for round_index in range(2 * repeats):
+                    order = kinds[round_index % len(kinds) :] + kinds[: round_index % len(kinds)]
+                    for kind in order:
+                        _time_step(runners[kind], step, release, timer, round_index % 2 == 1, samples[kind][shape_name])
+            result[num_threads] = {k: {s: _split(f) for s, f in shapes.items()} for k, shapes in samples.items()}
+    return result
+
+
+def _time_step(runner: Any, step: Any, release: Any, timer: Any, hooked: bool, figures: dict[str, list[float]]) -> None:
+    """One timed step: with the hooks on, its matmul and attention ms; else its wall ms."""
+    with timer.hooked() if hooked else contextlib.nullcontext():
+        started = time.perf_counter()
+        runner.run(step)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+    runner.run(release)
+    matmul_s, attention_s = timer.take()
+    if hooked:
+        figures["matmul_ms"].append(matmul_s * 1e3)
+        figures["attention_ms"].append(attention_s * 1e3)
+    else:
+        figures["step_ms"].append(elapsed_ms)
 
 
 def _split(figures: dict[str, list[float]]) -> dict[str, float]:
@@ -101,31 +115,34 @@ def _split(figures: dict[str, list[float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="eager,lean,lean-int8,lean-int4,lean-int8-bf16,lean-int4-bf16")
+    parser.add_argument("--kinds", default="eager,lean,lean-int8,lean-int4,lean-int8@avx2,lean-int4@avx2,lean-int8-bf16,lean-int4-bf16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--context", type=int, default=128, help="context tokens of each decode")
     parser.add_argument("--no-products", action="store_true", help="skip the per-product table")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--isas", default="avx512,avx2", help="kernel paths of the per-product table")
+    parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts, each measured in turn")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     from models.step_split import time_products
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    steps = measure_steps(args.kinds.split(","), args.repeats, args.context)
-    products = {} if args.no_products else time_products(args.repeats)
+    steps = measure_steps(args.kinds.split(","), args.repeats, args.context, threads)
+    torch.set_num_threads(threads[0])
+    products = {} if args.no_products else time_products(args.repeats, args.isas.split(","))
     load_after = Path("/proc/loadavg").read_text().split()[:3]
-    print(f"threads={torch.get_num_threads()} load before={load_before} after={load_after} context={args.context}")
-    print(f"{'kind':10} {'shape':11} {'step_ms':>9} {'matmul_ms':>10} {'attn_ms':>8} {'other_ms':>9} {'vs eager':>8}")
-    for kind, shapes in steps.items():
-        for shape, f in shapes.items():
-            ratio = f["step_ms"] / steps["eager"][shape]["step_ms"] if "eager" in steps else float("nan")
-            print(f"{kind:10} {shape:11} {f['step_ms']:9.2f} {f['matmul_ms']:10.2f} {f['attention_ms']:8.2f} {f['other_ms']:9.2f} {ratio:8.3f}")
+    print(f"load before={load_before} after={load_after} context={args.context}; products at {threads[0]} thread(s)")
+    print(f"{'thr':3} {'kind':18} {'shape':11} {'step_ms':>9} {'matmul_ms':>10} {'attn_ms':>8} {'other_ms':>9} {'vs eager':>8}")
+    for num_threads, by_kind in steps.items():
+        for kind, shapes in by_kind.items():
+            for shape, f in shapes.items():
+                ratio = f["step_ms"] / by_kind["eager"][shape]["step_ms"] if "eager" in by_kind else float("nan")
+                cells = f"{f['step_ms']:9.2f} {f['matmul_ms']:10.2f} {f['attention_ms']:8.2f} {f['other_ms']:9.2f} {ratio:8.3f}"
+                print(f"{num_threads:3} {kind:18} {shape:11} {cells}")
     for product, kinds in products.items():
         for kind, by_rows in kinds.items():
-            cells = "  ".join(f"M={rows}: {ms:8.3f} ms" for rows, ms in by_rows.items())
-            print(f"{product:8} {kind:9} {cells}")
+            cells = "  ".join(f"M={rows}: {ms:8.3f}" for rows, ms in by_rows.items())
+            print(f"{product:8} {kind:12} {cells} ms")
     if args.json:
         args.json.write_text(json.dumps({"load_before": load_before, "load_after": load_after, "steps": steps, "products": products}, indent=2))
 

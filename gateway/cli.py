@@ -54,15 +54,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     """Do what a first start would otherwise do before serving (``make install`` runs it): convert
-    the config's GGUF models to safetensors folders and build the C++ decode kernel, both cached,
-    each step logging its start, end and ``duration_s``. A kernel that cannot be built is logged
-    (serving then uses torch's attention) and is no failure. Returns 2 for an unusable config or
+    the config's GGUF models to safetensors folders and build the C++ kernels (decode attention, the
+    lean kinds' quantized products), all cached, each step logging its start, end and
+    ``duration_s``. A kernel that cannot be built is logged (serving then uses torch's attention
+    and torch's quantized ops) and is no failure. Returns 2 for an unusable config or
     model source."""
     from gateway.config import load_config
     from gateway.errors import ConfigError
     from gateway.logging import configure_logging
     from models.errors import ModelError
     from models.paged_attention import compiled_kernel_available
+    from models.quant_kernels import kernel as quant_kernel
     from models.source import default_cache_dir, model_folder
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,6 +78,7 @@ def _prepare(args: argparse.Namespace) -> int:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
     compiled_kernel_available()
+    quant_kernel()
     return 0
 
 

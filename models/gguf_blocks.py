@@ -1,4 +1,4 @@
-"""int4 weights built from a GGUF file's own Q4_1 blocks, without re-quantizing.
+"""int4 and int8 weights built from a GGUF file's own Q4_1 and Q8_0 blocks, without re-quantizing.
 
 A Q4_1 block (llama.cpp ``ggml-common.h``, ``block_q4_1``) holds 32 consecutive weights of one
 row: ``d`` and ``m`` as float16, then 16 bytes of 4-bit ``q`` (byte ``i``'s low nibble is weight
@@ -7,6 +7,8 @@ asymmetric int4 with group 32, which :class:`models.lean_linear.Int4Linear` runs
 file is read with the ``gguf`` package (the converter's own dependency), rows in the file's
 order; the Q and K projections' rows are permuted back as Hugging Face's GGUF loader does
 (``_reverse_permute_weights``: llama.cpp's converter interleaves each head's rotary halves).
+A Q8_0 block (``block_q8_0``) holds ``d`` as float16 then 32 int8 ``q``; the weight is ``d * q``:
+SmolLM2's tied embedding, which is its LM head (:func:`q8_0_head`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from models.lean_linear import Int4Linear
 
 Q4_1_BLOCK_VALUES = 32
 Q4_1_BLOCK_BYTES = 20
+Q8_0_BLOCK_VALUES = 32
+Q8_0_BLOCK_BYTES = 34
+# The LM head's GGUF names: its own, else the tied embedding.
+GGUF_HEAD_NAMES = ("output.weight", "token_embd.weight")
 # GGUF tensor names of a Llama block to the Hugging Face projection names.
 GGUF_PROJECTIONS = {
     "attn_q": "q_proj",
@@ -62,6 +68,24 @@ def q4_1_projections(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict
         heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(hf_name)
         result[(int(parts[1]), hf_name)] = rows if heads is None else rows[_unpermute_rows(rows.shape[0], heads)]
     return result
+
+
+def q8_0_head(gguf_path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The LM head's Q8_0 blocks as ``(q, d)``: ``q`` ``[vocab, hidden]`` int8, ``d`` ``[vocab,
+    hidden // 32]`` float32 (so ``d * q`` is the weight, exactly as the converter dequantized
+    it); ``None`` when the file's head is not Q8_0."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    head = next((tensors[name] for name in GGUF_HEAD_NAMES if name in tensors), None)
+    if head is None or head.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    rows = np.asarray(head.data)
+    n, row_bytes = rows.shape
+    blocks = rows.reshape(n, row_bytes // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
+    return torch.from_numpy(q), torch.from_numpy(d)
 
 
 def q4_1_linear(rows: np.ndarray, activation_dtype: torch.dtype = torch.float32) -> Int4Linear:

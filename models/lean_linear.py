@@ -6,15 +6,18 @@ call, so a layer's product is one dispatch whatever the kind:
 
 - :class:`DenseLinear`: float32 ``W`` prepacked for oneDNN (``mkldnn::_linear_pointwise``, as
   :mod:`models.cpu_linear` does for the eager path).
-- :class:`Int8Linear`: weight-only int8, one symmetric scale per output channel
-  (``w ~= s[n] * q[n, k]``, ``q`` in ``[-127, 127]``), run by ``aten::_weight_int8pack_mm``
-  (activations stay float32; the op dequantizes on the fly).
-- :class:`Int4Linear`: weight-only int4, asymmetric, one ``(scale, minimum)`` pair per group of
+- :class:`Int8Linear`: weight-only int8, symmetric (``w = s * q``, ``q`` in ``[-127, 127]``),
+  one scale per output channel (round-to-nearest from float32) or per group of 32 (a GGUF Q8_0
+  tensor's own blocks).
+- :class:`Int4Linear`: weight-only int4, asymmetric, one ``(d, m)`` pair per group of
   ``group_size`` input channels of each output channel (``w = d * q + m``, ``q`` in ``[0, 15]``:
-  llama.cpp's Q4_1 layout), run by ``aten::_weight_int4pack_mm_for_cpu``. That op dequantizes
-  ``(q - 8) * scale + zero``; with ``scale = d`` and ``zero = m + 8 d`` its weights are
-  ``d * q + m`` again: on SmolLM2's Q4_1 blocks every dequantized weight equals the float32
+  llama.cpp's Q4_1 layout). On SmolLM2's Q4_1 blocks every dequantized weight equals the float32
   weight the GGUF converter wrote, bit for bit (checked at build, :mod:`models.backends.lean`).
+
+With float32 activations both run Sluice's own kernel (:mod:`models.quant_kernels`: weights
+dequantized exactly in registers, AVX-512 or AVX2), else torch's ``aten::_weight_int8pack_mm``
+and ``aten::_weight_int4pack_mm_for_cpu``: with bfloat16 activations (the ``-bf16`` kinds), or
+where the kernel is unavailable.
 
 Which is fastest depends on the shape: see ``python -m bench.decode_split`` and the figures in
 :mod:`models.backends.lean`.
@@ -24,10 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from models import quant_kernels
 from models.cpu_linear import PACK_FOR_ROWS
+from models.quant_kernels import Isa
 
 INT4_GROUP_SIZE = 32
-# int4pack's tiling of the reduction dim (gpt-fast's default; K must be a multiple of 16 * this).
+# int4pack's tiling of the reduction dim (gpt-fast's default; K must be a multiple of 16 * this,
+# which is also the kernel's group).
 INT4_INNER_K_TILES = 2
 INT8_MAX = 127
 
@@ -58,36 +64,69 @@ class DenseLinear:
         return self.packed_weight.numel() * self.packed_weight.element_size()
 
 
+def kernel_isa() -> Isa | None:
+    """The ISA path of Sluice's quantized-product kernel (:mod:`models.quant_kernels`), or
+    ``None`` where it is unavailable (no build, no AVX2), where torch's ops run instead.
+
+    Raises:
+        ValueError: ``SLUICE_KERNEL_ISA`` names an unknown path or one the CPU lacks.
+    """
+    return quant_kernels.chosen_isa() if quant_kernels.supported_isas() else None
+
+
 class Int8Linear:
-    """Weight-only int8 ``x @ W.T``: ``W ~= scales[:, None] * q``, per output channel, symmetric.
+    """Weight-only int8 ``x @ W.T``: ``W[n, k] = scales[n, k // group] * q[n, k]``, symmetric.
 
     Args:
-        weight: ``[N, K]`` float32, quantized round-to-nearest with ``scale = max|w[n]| / 127``.
-        activation_dtype: the dtype the op computes in (``x`` and the scales are cast to it, the
-            result back to float32): float32, or bfloat16, where torch's kernel is 10-25x faster
-            on an AVX-512 BF16 machine (``bench.decode_split``) at a bfloat16 rounding of both.
+        weight: ``[N, K]`` float32, quantized round-to-nearest per output channel (``group =
+            K``) with ``scale = max|w[n]| / 127``.
+        activation_dtype: the dtype the product computes in: float32 (our kernel, exact on the
+            dequantized weights; torch's op where the kernel is unavailable or ``K`` is not a
+            multiple of 32), or bfloat16 (torch's op, ``x`` and the scales cast to it, the result
+            back to float32: 10-25x faster than torch's float32 op on an AVX-512 BF16 machine, at
+            a bfloat16 rounding of both).
     """
 
     kind = "int8"
 
     def __init__(self, weight: torch.Tensor, activation_dtype: torch.dtype = torch.float32):
-        self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
-        self.scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-        self.qweight = torch.round(w / self.scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).contiguous()
+        scales = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scales).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        self._setup(q, scales, activation_dtype)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scales: torch.Tensor) -> "Int8Linear":
+        """Group-wise int8 as stored (a GGUF Q8_0 tensor: :func:`models.gguf_blocks.q8_0_fields`),
+        float32 activations through our kernel: ``q`` ``[N, K]`` int8, ``scales`` ``[N, K // 32]``.
+
+        Raises:
+            ValueError: the kernel is unavailable (torch's op has one scale per channel only).
+        """
+        linear = cls.__new__(cls)
+        linear._setup(q, scales, torch.float32)
+        if linear.isa is None:
+            raise ValueError("group-wise int8 needs the quantized-product kernel")
+        return linear
+
+    def _setup(self, q: torch.Tensor, scales: torch.Tensor, activation_dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = q.shape
+        self.qweight, self.scales = q.contiguous(), scales.float().contiguous()  # [N, K], [N, K // group]
         self.activation_dtype = activation_dtype
-        self._op_scales = self.scales.to(activation_dtype)
+        is_kernel_shape = self.in_features % quant_kernels.GROUP_SIZE == 0
+        self.isa = kernel_isa() if activation_dtype == torch.float32 and is_kernel_shape else None
+        self._op_scales = self.scales[:, 0].to(activation_dtype) if self.isa is None else self.scales
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` float32 -> ``[M, N]`` float32."""
-        if self.activation_dtype == torch.float32:
-            out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-            return out
-        return torch.ops.aten._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self._op_scales).float()  # type: ignore[no-any-return]
+        if self.isa is not None:
+            return quant_kernels.int8_linear(x, self.qweight, self.scales, self.isa)
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self._op_scales)
+        return out.float()
 
     def dequantized(self) -> torch.Tensor:
         """``[N, K]`` float32: the weight this layer multiplies by."""
-        return self.qweight.float() * self.scales[:, None]
+        return self.qweight.float() * self.scales.repeat_interleave(self.in_features // self.scales.shape[1], dim=1)
 
     @property
     def nbytes(self) -> int:
@@ -101,10 +140,13 @@ class Int4Linear:
         q: ``[N, K]`` integers in ``[0, 15]`` (any int dtype).
         scale, minimum: ``[N, K // group_size]`` float32 (``d`` and ``m``).
         group_size: input channels per group (32 or 64; 32 for Q4_1).
-        activation_dtype: as :class:`Int8Linear`'s; bfloat16 also rounds ``d`` and ``m + 8 d``
-            to bfloat16, so Q4_1's weights are no longer exact.
+        activation_dtype: float32 runs our kernel (group 32; exact on the dequantized weights),
+            torch's ``_weight_int4pack_mm_for_cpu`` where the kernel is unavailable or the group is
+            not 32 (that op dequantizes ``(q - 8) * scale + zero``, so it gets ``zero = m + 8 d``);
+            bfloat16 runs torch's op, which then also rounds ``d`` and ``m + 8 d`` to bfloat16, so
+            Q4_1's weights are no longer exact.
     Raises:
-        ValueError: ``K`` not a multiple of ``group_size`` and of int4pack's tile (32).
+        ValueError: ``K`` not a multiple of ``group_size`` and of 32.
     """
 
     kind = "int4"
@@ -118,26 +160,33 @@ class Int4Linear:
         if self.in_features % group_size or self.in_features % tile:
             raise ValueError(f"int4 weights need in_features divisible by {group_size} and {tile}, got {self.in_features}")
         self.group_size = group_size
-        self.packed_weight: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INT4_INNER_K_TILES)
-        # [K // G, N, 2]: (scale, zero) with zero = m + 8 d, since the op dequantizes (q - 8) * scale + zero.
-        self.scales_and_zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1).float().contiguous()
+        self.scale, self.minimum = scale.float().contiguous(), minimum.float().contiguous()
+        is_kernel_group = group_size == quant_kernels.GROUP_SIZE
+        self.isa = kernel_isa() if activation_dtype == torch.float32 and is_kernel_group else None
         self.activation_dtype = activation_dtype
-        self._op_scales_and_zeros = self.scales_and_zeros.to(activation_dtype)
+        if self.isa is not None:
+            self.packed_weight = quant_kernels.pack_int4(q)
+            return
+        self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INT4_INNER_K_TILES)
+        # [K // G, N, 2]: (scale, zero) with zero = m + 8 d.
+        scales_and_zeros = torch.stack([self.scale.t(), (self.minimum + 8 * self.scale).t()], dim=-1).contiguous()
+        self._op_scales_and_zeros = scales_and_zeros.to(activation_dtype)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` float32 -> ``[M, N]`` float32."""
-        scales_and_zeros = self.scales_and_zeros if self.activation_dtype == torch.float32 else self._op_scales_and_zeros
+        if self.isa is not None:
+            return quant_kernels.int4_linear(x, self.packed_weight, self.scale, self.minimum, self.isa)
         x = x.to(self.activation_dtype)
-        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, scales_and_zeros)
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, self._op_scales_and_zeros)
         return out.float()
 
     def dequantized(self) -> torch.Tensor:
-        """``[N, K]`` float32: the weight this layer multiplies by (the op run on an identity)."""
+        """``[N, K]`` float32: the weight this layer multiplies by (the product run on an identity)."""
         return self.mm(torch.eye(self.in_features)).t().contiguous()
 
     @property
     def nbytes(self) -> int:
-        return self.packed_weight.numel() + self.scales_and_zeros.numel() * 4
+        return self.packed_weight.numel() + (self.scale.numel() + self.minimum.numel()) * 4
 
 
 def int4_round_to_nearest(

@@ -5,10 +5,12 @@ module calls (about 30 layers of ``nn.Module.__call__``, hooks, kwargs plumbing)
 runs the same weights as a flat loop over plain tensors, in the manner of nano-vllm's
 ``qwen3.py`` and gpt-fast's ``model.py``: per layer one fused QKV product and one fused
 gate/up product (weights concatenated once at load, as nano-vllm's ``QKVParallelLinear`` and
-``MergedColumnParallelLinear``), torch's fused RMSNorm, RoPE applied to Q and K together with
-the cos/sin the model's own rotary module computes once per step, SiLU-mul, and the packed
-paged attention (:func:`models.attention.attend_packed`: the C++ kernel for decodes, SDPA for
-prefill segments). Per layer that is about 20 op dispatches and no module call.
+``MergedColumnParallelLinear``), RMSNorm in one C++ call each (:mod:`models.quant_kernels`,
+the second with the residual add before it; torch's ``F.rms_norm``, six ops on CPU, where the
+kernel is unavailable), RoPE applied to Q and K together in three ops with the cos/sin the
+model's own rotary module computes once per step, SiLU-mul, and the packed paged attention
+(:func:`models.attention.attend_packed`: the C++ kernel for decodes, SDPA for prefill
+segments). Per layer that is about 15 op dispatches and no module call.
 
 Numerics match the eager path up to float reduction order: same weights, same formulas (RMSNorm
 ``x / sqrt(mean(x^2) + eps) * w``; RoPE ``q * cos + rotate_half(q) * sin`` as Hugging Face's
@@ -23,6 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from models import quant_kernels
 from models.attention import PackedStep, attend_packed
 
 
@@ -91,15 +94,19 @@ class LeanLlama:
         self.final_norm, self.rotary, self.lm_head = final_norm, rotary, lm_head
         self.hidden_size = embed_tokens.shape[1]
         self.scale = geometry.head_dim**-0.5
+        self.has_fused_norm = quant_kernels.kernel() is not None
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
         """Last hidden states ``[1, T, hidden]`` of the packed ``[1, T]`` ``input_ids`` at
         ``position_ids``; writes every layer's new K/V into the step's pool."""
         x = F.embedding(input_ids[0], self.embed_tokens)  # [T, hidden]
-        cos, sin = self.rotary(x.unsqueeze(0), position_ids)
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        cos, sin = self.rotary(x.unsqueeze(0), position_ids)  # [1, T, head_dim]
+        half = self.geometry.head_dim // 2
+        # [T, 1, 2, half]: cos by halves, and sin with the sign rotate_half gives its first half.
+        cos_halves = cos[0].view(-1, 1, 2, half)
+        signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).view(-1, 1, 2, half)
         for index, layer in enumerate(self.layers):
-            x = self._layer(index, layer, x, cos, sin, step)
+            x = self._layer(index, layer, x, cos_halves, signed_sin, step)
         return self._norm(x, self.final_norm).unsqueeze(0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,7 +116,8 @@ class LeanLlama:
     def _layer(
         self, index: int, layer: LeanLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PackedStep
     ) -> torch.Tensor:
-        """One decoder layer on ``x`` ``[T, hidden]`` (returned updated, a new tensor)."""
+        """One decoder layer on ``x`` ``[T, hidden]`` (updated in place and returned); ``cos``,
+        ``sin`` as :func:`_rotate` takes them."""
         g = self.geometry
         num_tokens = x.shape[0]
         qkv = layer.qkv.mm(self._norm(x, layer.input_norm))
@@ -117,18 +125,28 @@ class LeanLlama:
         qk = _rotate(qkv[:, : num_qk_heads * g.head_dim].view(num_tokens, num_qk_heads, g.head_dim), cos, sin)
         v = qkv[:, num_qk_heads * g.head_dim :].view(num_tokens, g.num_kv_heads, g.head_dim)
         attn = attend_packed(step, index, qk[:, : g.num_heads], qk[:, g.num_heads :], v, self.scale)
-        x = x + layer.o.mm(attn.view(num_tokens, -1))
-        gate_up = layer.gate_up.mm(self._norm(x, layer.post_attention_norm))
+        gate_up = layer.gate_up.mm(self._add_norm(x, layer.o.mm(attn.view(num_tokens, -1)), layer.post_attention_norm))
         act = F.silu(gate_up[:, : g.intermediate_size]).mul_(gate_up[:, g.intermediate_size :])
         return x.add_(layer.down.mm(act))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the rows of ``x`` ``[T, hidden]``: the kernel's one call, else torch's."""
+        if self.has_fused_norm:
+            return quant_kernels.rms_norm(x, weight, self.geometry.rms_norm_eps)
         return F.rms_norm(x, (self.hidden_size,), weight, self.geometry.rms_norm_eps)
 
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x += delta`` (in place), then the RMSNorm of ``x``."""
+        if self.has_fused_norm:
+            return quant_kernels.add_rms_norm_(x, delta, weight, self.geometry.rms_norm_eps)
+        return self._norm(x.add_(delta), weight)
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, head_dim]``: Hugging
-    Face's ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x2, x1)``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos).add_(rotated.mul_(sin))
+
+def _rotate(x: torch.Tensor, cos_halves: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[T, heads, head_dim]`` (a new contiguous tensor): Hugging Face's ``x * cos
+    + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, as ``x * cos + flip(x) *
+    signed_sin`` over the halves (``cos_halves``, ``signed_sin`` ``[T, 1, 2, head_dim // 2]``,
+    ``signed_sin = cat(-sin1, sin2)``): three ops instead of five."""
+    num_tokens, heads, head_dim = x.shape
+    halves = x.view(num_tokens, heads, 2, head_dim // 2)
+    return torch.addcmul(halves * cos_halves, halves.flip(-2), signed_sin).view(num_tokens, heads, head_dim)

@@ -206,8 +206,11 @@ class KernelLoader:
         environ: where the kill switch is read (``os.environ`` by default).
     """
 
-    def __init__(self, build: Callable[[], ModuleType] | None = None, environ: Mapping[str, str] | None = None):
+    def __init__(
+        self, build: Callable[[], ModuleType] | None = None, environ: Mapping[str, str] | None = None, name: str = EXTENSION_NAME
+    ):
         self._build = build or build_extension
+        self._name = name
         self._environ = os.environ if environ is None else environ
         self._lock = threading.Lock()
         self._is_done = False
@@ -232,22 +235,25 @@ class KernelLoader:
                 return self._build()
             except Exception as exc:  # noqa: BLE001 - any build failure means the torch fallback
                 self.unavailable_reason = f"build failed: {type(exc).__name__}: {_summary(exc)}"
-        log.warning("cpp_kernel_unavailable", kernel=EXTENSION_NAME, reason=self.unavailable_reason, fallback="torch")
+        log.warning("cpp_kernel_unavailable", kernel=self._name, reason=self.unavailable_reason, fallback="torch")
         return None
 
 
-def build_directory() -> Path:
+def build_directory(source_path: Path = SOURCE_PATH, flags: list[str] = CFLAGS + LDFLAGS) -> Path:
     """``$SLUICE_CACHE_DIR/torch_extensions/<python>_<torch>_<machine>_<source hash>`` (cache dir
     default ``~/.cache/sluice``). The hash covers the kernel's source and flags, so every checkout
     of the same kernel shares one build, wherever it lies."""
     root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sluice")
-    digest = hashlib.sha256(SOURCE_PATH.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source_path.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{platform.machine()}_{digest}"
     return root / "torch_extensions" / tag
 
 
-def build_extension() -> ModuleType:
-    """Compile (or reuse the cached build of) the kernel and import it; raises on any failure.
+def build_extension(
+    name: str = EXTENSION_NAME, source_path: Path = SOURCE_PATH, cflags: list[str] = CFLAGS, ldflags: list[str] = LDFLAGS
+) -> ModuleType:
+    """Compile (or reuse the cached build of) a kernel (this module's by default) and import it;
+    raises on any failure.
 
     Logs ``kernel_build_started`` and ``kernel_build_finished`` with ``duration_s`` and
     ``cached`` (the binary was already built: only loaded), the first build on a machine takes
@@ -258,12 +264,12 @@ def build_extension() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    directory = build_directory()
+    directory = build_directory(source_path, cflags + ldflags)
     directory.mkdir(parents=True, exist_ok=True)
-    binary = directory / f"{EXTENSION_NAME}.so"
-    source = directory / SOURCE_PATH.name
+    binary = directory / f"{name}.so"
+    source = directory / source_path.name
     built_before = binary.stat().st_mtime_ns if binary.exists() else None
-    log.info("kernel_build_started", kernel=EXTENSION_NAME, build_directory=str(directory))
+    log.info("kernel_build_started", kernel=name, build_directory=str(directory))
     started = time.perf_counter()
     with open(directory / _BUILD_LOCK_NAME, "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
@@ -271,19 +277,19 @@ def build_extension() -> ModuleType:
         (directory / _TORCH_LOCK_NAME).unlink(missing_ok=True)
         # torch's build file names its sources by absolute path: build from a copy inside the
         # directory, so a checkout elsewhere finds the same build file and reuses the binary.
-        if not source.exists() or source.read_bytes() != SOURCE_PATH.read_bytes():
-            shutil.copyfile(SOURCE_PATH, source)
+        if not source.exists() or source.read_bytes() != source_path.read_bytes():
+            shutil.copyfile(source_path, source)
         with _torch_build_logs_quiet():
             module: Any = load(
-                name=EXTENSION_NAME,
+                name=name,
                 sources=[str(source)],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
                 build_directory=str(directory),
                 verbose=False,
             )
     is_cached = built_before is not None and binary.stat().st_mtime_ns == built_before
-    log.info("kernel_build_finished", kernel=EXTENSION_NAME, cached=is_cached, duration_s=round(time.perf_counter() - started, 3))
+    log.info("kernel_build_finished", kernel=name, cached=is_cached, duration_s=round(time.perf_counter() - started, 3))
     return module
 
 

@@ -7,12 +7,14 @@ or concatenation) and every layer's attention (:func:`models.attention.attend_pa
 Hugging Face path and :mod:`models.llama_lean` call it) in a pair of clock reads, adding the
 wall seconds to its counters. Timed hooks rather than the profiler: the profiler's per-op cost
 would land in "everything else", the share being measured; a hook costs two clock reads.
-:func:`time_products` times each product kind alone at SmolLM2's shapes.
+:func:`time_products` times each product kind alone at SmolLM2's shapes; :func:`forced_isa`
+builds products on a chosen path of :mod:`models.quant_kernels`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -25,10 +27,11 @@ import models.llama_lean as llama_lean
 from models.cpu_linear import PackedLinear
 from models.lean_linear import DenseLinear, Int4Linear, Int8Linear, int4_round_to_nearest
 from models.llama_lean import Linear
+from models.quant_kernels import ISA_ENV
 
 # One SmolLM2 layer's products (out, in) and the LM head's.
 PRODUCT_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-PRODUCT_ROWS = (1, 32, 512)
+PRODUCT_ROWS = (1, 4, 8, 32, 512)
 
 
 class SplitTimer:
@@ -69,18 +72,43 @@ class SplitTimer:
         return timed
 
 
-def time_products(repeats: int) -> dict[str, dict[str, dict[int, float]]]:
-    """``{product: {kind: {rows: ms}}}``: each product kind alone on random weights of SmolLM2's
-    shapes, kinds interleaved per round, medians (the LM head at 512 rows left out: int4 takes
-    tens of seconds there)."""
+@contextlib.contextmanager
+def forced_isa(isa: str | None) -> Iterator[None]:
+    """``SLUICE_KERNEL_ISA`` set to ``isa`` (``None``: left as it is) while the block builds
+    products, which read it at construction (:func:`models.lean_linear.kernel_isa`)."""
+    saved = os.environ.get(ISA_ENV)
+    if isa is not None:
+        os.environ[ISA_ENV] = isa
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ISA_ENV, None)
+        else:
+            os.environ[ISA_ENV] = saved
+
+
+def product_kinds(weight: torch.Tensor, isas: list[str]) -> dict[str, Linear]:
+    """Every product kind of ``weight`` ``[N, K]``: float32, our kernel's int8 and int4 on each
+    ISA path of ``isas``, torch's int8 and int4 ops with bfloat16 activations."""
+    linears: dict[str, Linear] = {"float32": DenseLinear(weight)}
+    for isa in isas:
+        with forced_isa(isa):
+            linears[f"int8@{isa}"], linears[f"int4@{isa}"] = Int8Linear(weight), int4_round_to_nearest(weight)
+    linears["int8-bf16"] = Int8Linear(weight, torch.bfloat16)
+    linears["int4-bf16"] = int4_round_to_nearest(weight, activation_dtype=torch.bfloat16)
+    return linears
+
+
+def time_products(repeats: int, isas: list[str]) -> dict[str, dict[str, dict[int, float]]]:
+    """``{product: {kind: {rows: ms}}}``: each product kind (:func:`product_kinds`) alone on
+    random weights of SmolLM2's shapes, kinds interleaved per round, medians (the LM head at 512
+    rows left out)."""
     generator = torch.Generator().manual_seed(0)
     result: dict[str, dict[str, dict[int, float]]] = {}
     for product, (out_features, in_features) in PRODUCT_SHAPES.items():
         weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-        linears: dict[str, Linear] = {
-            "float32": DenseLinear(weight), "int8": Int8Linear(weight), "int4": int4_round_to_nearest(weight),
-            "int8-bf16": Int8Linear(weight, torch.bfloat16), "int4-bf16": int4_round_to_nearest(weight, activation_dtype=torch.bfloat16),
-        }  # fmt: skip
+        linears = product_kinds(weight, isas)
         result[product] = {kind: {} for kind in linears}
         for rows in PRODUCT_ROWS:
             if product == "lm_head" and rows > 32:

@@ -8,36 +8,59 @@ Kinds:
     ``lean-int8``: every product, the LM head included, weight-only int8 per output channel
         (:class:`models.lean_linear.Int8Linear`); lossy.
     ``lean-int4``: the products int4 group-wise (:class:`models.lean_linear.Int4Linear`). From a
-        GGUF model whose projections are Q4_1, the file's own blocks (:mod:`models.gguf_blocks`):
-        their weights equal the eager path's float32 weights exactly (checked at build; greedy
-        tokens equal eager's up to near-ties). The LM head stays float32 there (SmolLM2's tied
-        embedding is Q8_0, group-wise symmetric int8, which neither op expresses). From a float
-        folder, round-to-nearest int4, group 32, the LM head included; lossy.
-    ``lean-int8-bf16``, ``lean-int4-bf16``: the same weights, the products computed with
+        GGUF model whose projections are Q4_1, the file's own blocks (:mod:`models.gguf_blocks`)
+        and, where the LM head (SmolLM2's tied embedding) is Q8_0, its blocks as group-wise int8:
+        all their weights equal the eager path's float32 weights exactly (checked at build;
+        greedy tokens equal eager's up to near-ties). From a float folder, round-to-nearest int4,
+        group 32, the LM head included; lossy.
+    ``lean-int8-bf16``, ``lean-int4-bf16``: the same weights through torch's weight-only ops with
         bfloat16 activations and scales (the result back in float32); lossy, int4 too (Q4_1's
-        float16 ``d`` does not survive bfloat16), so ``lean-int4-bf16``'s LM head is int8 where
-        the file's is not Q4_1.
+        float16 ``d`` does not survive bfloat16), and ``lean-int4-bf16``'s LM head is int8 per
+        channel.
 
-A product of more than :data:`MAX_QUANTIZED_ROWS` rows (a prefill chunk, a decode batch of more
-than 4) runs on the eager modules' float32 prepacked weights, unfused (no extra memory: those
-are the eager fallback's), since torch's weight-only CPU ops are GEMV kernels whose time grows
-about linearly with the rows. Side by side on this project's AVX-512 (BF16, VNNI) machine, one
-thread, one SmolLM2 layer's products on random weights (``python -m bench.decode_split``), ms
-at 1 / 32 / 512 rows:
+With float32 activations the quantized products run Sluice's kernel
+(:mod:`models.quant_kernels`, AVX-512 or AVX2, exact on the dequantized weights). A product of
+more rows than :data:`KERNEL_MAX_ROWS` for the ISA (:data:`TORCH_OP_MAX_ROWS` for torch's ops)
+runs on the eager modules' float32 prepacked weights, unfused: no extra memory, since the eager
+fallback keeps those modules anyway (so prefill needs them, and no bytes are saved by the
+quantized kinds; ``lean-int4``'s Q8_0 head adds 31.8 MB beside eager's float32 embedding).
 
-    gate_up [3072, 576]  float32 0.149 / 0.749 / 7.5   int8 1.13 / 38.4 / 626   int4 2.59 / 82.2 / 1333
-                         int8-bf16 0.075 / 0.842 / 12.4   int4-bf16 0.056 / 0.689 / 10.9
-    LM head [49152, 576] float32 3.25 / 10.5   int8 18.3 / 625   int4 41.5 / 1340   int8-bf16 1.88 / 14.1
-                         int4-bf16 1.07 / 11.6
+Figures, side by side in one run (``python -m bench.decode_split --repeats 3 --threads 1,2``) on
+this project's AVX-512 machine (2 cores, load 2.8-3.5 from other work), SmolLM2-135M, context
+128; ``@avx2`` forces the kernel's AVX2 path (oneDNN's float32 products still run AVX-512). Whole
+steps, ms (step = matmul + attention + other):
 
-With float32 activations torch's ops are 8-25x slower than oneDNN's float32 product even at
-one row (``lean-int8`` / ``lean-int4`` decode1 steps: 3.7x / 6.7x eager's); with bfloat16
-activations they are about 2x faster at one row, even at 4, slower beyond. A whole decode step
-of one sequence (same run, load 3.3 on 2 cores): eager 37.0 ms, lean 28.6, lean-int8-bf16
-19.4, lean-int4-bf16 15.2 (a later run, load 3.4: eager 26.0, lean 21.7, lean-int4-bf16 with
-its int8 head 9.7); at 32 sequences every kind is within 5% of lean (products run float32).
-So only the bf16 kinds pay, at small batches, and the exact int4 kind needs a kernel of our own
-(float32 activations, float32 ``d`` and ``m``).
+    threads  kind            decode1 (mm / attn / other)   decode32   prefill512
+    1        eager           26.8 (20.4 / 1.2 / 5.1)       89.3       716
+    1        lean            21.5 (17.7 / 1.2 / 2.6)       85.1       836
+    1        lean-int8       12.1 (8.5 / 1.1 / 2.6)        84.0       (noise)
+    1        lean-int4       10.3 (7.5 / 1.1 / 1.8)        85.3       869
+    1        lean-int4@avx2  12.5 (9.6 / 1.0 / 1.9)        84.4       722
+    1        lean-int4-bf16   9.6 (6.5 / 1.2 / 1.9)        84.7       754
+    2        eager           21.3 (14.1 / 1.2 / 5.9)       57.5       377
+    2        lean            14.7 (12.2 / 1.2 / 1.3)       56.7       381
+    2        lean-int8        7.8 (5.2 / 1.1 / 1.5)        53.2       399
+    2        lean-int4        7.5 (4.4 / 1.0 / 2.1)        50.8       397
+    2        lean-int4@avx2   8.6 (5.5 / 1.1 / 2.1)        55.6       383
+    2        lean-int4-bf16   7.7 (4.6 / 1.0 / 2.1)        52.7       387
+
+(Measured before the lean step's RMSNorm became one C++ call, which saved about 1 ms more per
+decode1 step at 1 thread: 14.3 vs 15.3 ms, A/B in one process at load 5.6.) At 32 sequences and
+in prefill every kind runs float32 products, within noise of ``lean``. Each
+product alone, one thread, random weights, ms at 1 / 4 / 8 / 32 / 512 rows:
+
+    gate_up [3072, 576]  float32 0.149 / 0.109 / 0.157 / 0.516 / 7.1
+                         int4@avx512 0.052 / 0.082 / 0.158 / 0.629 / 10.8   int8@avx512 0.046 / 0.080 / 0.159
+                         int4@avx2 0.087 / 0.203 / 0.401 / 1.64 / 26.9     int4-bf16 0.052 / 0.086 / 0.167
+    LM head [49152, 576] float32 3.44 / 3.37 / 5.13 / 10.2
+                         int8@avx512 (the Q8_0 head) 1.65 / 1.85 / 6.64   int8@avx2 2.90 / 3.14 / 7.85
+
+So the kernel's AVX-512 path is 2.9x (gate_up) and 2.1x (head) faster than float32 at one row,
+as fast at 4-8, slower beyond; its AVX2 path, against AVX-512 oneDNN, about 1.7x at one row and
+2x slower at 4 (on an AVX2-only machine oneDNN runs AVX2 too: not measured here). A tiled GEMM
+(128 dequantized channels per tile through ``at::mm``) lost to oneDNN's float32 product at every
+row count and was dropped. Torch's weight-only ops with float32 activations are 8-25x slower
+than float32 (no longer used where the kernel runs).
 
 Built from the folder's safetensors (the float32 weights the eager path loaded, before
 :func:`models.cpu_linear.prepack_linears` reordered them), so the backend needs a CPU float32
@@ -56,14 +79,19 @@ import torch
 from models.attention import PackedStep
 from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts
 from models.cpu_linear import PackedLinear
-from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_projections
-from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest
+from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_projections, q8_0_head
+from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest, kernel_isa
 from models.llama_lean import LeanGeometry, LeanLayer, LeanLlama, Linear
+from models.quant_kernels import Isa
 
 SUPPORTED_DECODERS = ("LlamaModel",)
-# Rows up to which a product runs on the quantized op; above, on the float32 weights (bfloat16
-# activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache, 1 thread).
-MAX_QUANTIZED_ROWS = 4
+# Rows up to which a product runs quantized; above, on the float32 weights. torch's ops (bfloat16
+# activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache, 1 thread):
+TORCH_OP_MAX_ROWS = 4
+# Our kernel, per ISA path (float32 activations; figures in the module docstring). AVX-512: on a
+# par with oneDNN's float32 product at 4 rows, slower at 8. AVX2: measured forced on the AVX-512
+# machine, where oneDNN still runs AVX-512: on a par at 1 row, 2x slower at 4.
+KERNEL_MAX_ROWS = {Isa.AVX512: 4, Isa.AVX2: 1}
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 # (layer, projection, float32 weight [out, in]) -> its quantized product, or None to keep float32.
@@ -203,8 +231,9 @@ def _int8_factory(activation_dtype: torch.dtype) -> QuantizeFn:
 
 def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> QuantizeFn:
     """int4 products: the GGUF file's own Q4_1 blocks where it has them (checked equal to the
-    float32 weights), else round-to-nearest; the LM head float32 when the file's is not Q4_1.
-    They compute in ``activation_dtype``."""
+    float32 weights), else round-to-nearest. The LM head where the file's is Q8_0: those blocks,
+    exact, through our kernel (float32 activations), or per-channel int8 (bfloat16, lossy anyway);
+    else float32. They compute in ``activation_dtype``."""
     config = parts.decoder.config
     source = gguf_source(Path(str(config._name_or_path)))
     blocks = {} if source is None else q4_1_projections(source, config.num_attention_heads, config.num_key_value_heads)
@@ -212,11 +241,11 @@ def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> Quantiz
     def quantize(layer: int, projection: str, weight: torch.Tensor) -> Linear | None:
         if not blocks:
             return int4_round_to_nearest(weight, activation_dtype=activation_dtype)
+        if layer < 0:
+            return _gguf_head(source, weight, activation_dtype)
         names = [(layer, name) for name in projection.split("+")]
         if not all(key in blocks for key in names):
-            # Not Q4_1 in the file (the LM head): float32 keeps it exact; a bfloat16 kind is lossy
-            # anyway, and its head's int8 is 1.7x faster than float32 at one row.
-            return None if activation_dtype == torch.float32 else Int8Linear(weight, activation_dtype)
+            return None  # not Q4_1 in the file: float32 keeps it exact
         rows = np.concatenate([blocks[key] for key in names])
         if not torch.equal(q4_1_dequantized(rows), weight):
             raise BackendUnavailableError(f"layer {layer} {projection}: the GGUF's Q4_1 weights differ from the float32 weights")
@@ -225,24 +254,57 @@ def _int4_factory(parts: DecoderParts, activation_dtype: torch.dtype) -> Quantiz
     return quantize
 
 
+def _gguf_head(source: Path | None, weight: torch.Tensor, activation_dtype: torch.dtype) -> Linear | None:
+    """The LM head of a GGUF model's int4 kinds (see :func:`_int4_factory`); ``weight`` the
+    float32 head ``[vocab, hidden]``.
+
+    Raises:
+        BackendUnavailableError: the file's Q8_0 head differs from ``weight``.
+    """
+    if activation_dtype != torch.float32:
+        return Int8Linear(weight, activation_dtype)  # 1.7x faster than float32 at one row
+    head = None if source is None or kernel_isa() is None else q8_0_head(source)
+    if head is None:
+        return None
+    linear = Int8Linear.from_blocks(*head)
+    if not torch.equal(linear.dequantized(), weight):
+        raise BackendUnavailableError("the GGUF's Q8_0 LM head differs from the float32 weights")
+    return linear
+
+
+def _quantized_rows(activation_dtype: torch.dtype) -> int:
+    """The most rows a product of ``activation_dtype`` runs quantized (see :data:`KERNEL_MAX_ROWS`).
+
+    Raises:
+        BackendUnavailableError: ``SLUICE_KERNEL_ISA`` is wrong (the message names it).
+    """
+    if activation_dtype != torch.float32:
+        return TORCH_OP_MAX_ROWS
+    try:
+        isa = kernel_isa()
+    except ValueError as exc:
+        raise BackendUnavailableError(str(exc)) from None
+    return TORCH_OP_MAX_ROWS if isa is None else KERNEL_MAX_ROWS[isa]
+
+
 def _lean(parts: DecoderParts) -> DecoderBackend:
     return build_lean(parts, "lean", None)
 
 
 def _lean_int8(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int8", _int8_factory(torch.float32), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int8", _int8_factory(torch.float32), _quantized_rows(torch.float32))
 
 
 def _lean_int4(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int4", _int4_factory(parts, torch.float32), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int4", _int4_factory(parts, torch.float32), _quantized_rows(torch.float32))
 
 
 def _lean_int8_bf16(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int8-bf16", _int8_factory(torch.bfloat16), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int8-bf16", _int8_factory(torch.bfloat16), _quantized_rows(torch.bfloat16))
 
 
 def _lean_int4_bf16(parts: DecoderParts) -> DecoderBackend:
-    return build_lean(parts, "lean-int4-bf16", _int4_factory(parts, torch.bfloat16), MAX_QUANTIZED_ROWS)
+    return build_lean(parts, "lean-int4-bf16", _int4_factory(parts, torch.bfloat16), _quantized_rows(torch.bfloat16))
 
 
 DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {

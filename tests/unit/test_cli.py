@@ -11,6 +11,7 @@ import pytest
 
 import gateway.logging
 import models.paged_attention
+import models.quant_kernels
 import models.source
 from gateway.cli import main
 from tests.unit.test_config import make_config_data, write_config
@@ -18,7 +19,7 @@ from tests.unit.test_config import make_config_data, write_config
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
-    """What ``prepare`` asked of the model sources and the kernel, in order."""
+    """What ``prepare`` asked of the model sources and the kernels, in order."""
     # Import every module first: one imported while the fakes are in place would keep them
     # (``from models.source import model_folder``) after the test.
     importlib.import_module("gateway.app")
@@ -36,6 +37,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
     # structlog's global config would keep pytest's captured stdout after the test.
     monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: seen.append(("logging", level)))
     monkeypatch.setattr(models.paged_attention, "compiled_kernel_available", compiled_kernel_available)
+    monkeypatch.setattr(models.quant_kernels, "kernel", lambda: seen.append(("quant_kernel",)))
     return seen
 
 
@@ -45,6 +47,7 @@ def test_prepare_converts_every_model_then_builds_the_kernel(tmp_path: Path, cal
     cache_dir = str(tmp_path / "cache")
     assert calls == [
         ("logging", "WARNING"), ("model_folder", "/models/gen", cache_dir), ("model_folder", "/models/emb", cache_dir), ("kernel",),
+        ("quant_kernel",),
     ]
 
 

@@ -3,7 +3,8 @@
 The products are checked on small random weights against a float reference (int4 from Q4_1
 blocks: against the ``gguf`` package's own dequantization, exactly). On SmolLM2, cut to its first
 layers like the compiled-backend test: ``lean`` and ``lean-int4`` (built from the GGUF's Q4_1
-blocks, whose weights are exactly eager's) must give eager's greedy tokens up to a near-tie
+blocks and its Q8_0 LM head, whose weights are exactly eager's, through the C++ kernel) must
+give eager's greedy tokens up to a near-tie
 (:func:`tests.e2e.reference.assert_greedy_close`); ``lean-int8`` is lossy (and so are
 ``lean-int8-bf16`` and ``lean-int4-bf16``, whose activations and scales are rounded to bfloat16),
 so its decode logits, teacher-forced along eager's tokens, must pick eager's top token at
@@ -72,7 +73,7 @@ def test_int8_and_int4_products_stay_within_half_a_quantization_step() -> None:
     int8 = Int8Linear(weight)
     assert float((int8.dequantized() - weight).abs().max()) <= float(int8.scales.max()) / 2 + 1e-7
     int4 = int4_round_to_nearest(weight)
-    step = int4.scales_and_zeros[..., 0].t().repeat_interleave(32, dim=1)  # [N, K]
+    step = int4.scale.repeat_interleave(32, dim=1)  # [N, K]
     assert bool(((int4.dequantized() - weight).abs() <= step / 2 + 1e-6).all())
     x = torch.randn(5, 128)
     torch.testing.assert_close(int8.mm(x), x @ int8.dequantized().t(), atol=1e-4, rtol=1e-4)
@@ -171,3 +172,29 @@ def test_bfloat16_activations_give_float32_results_within_bfloat16_rounding() ->
         got = fast.mm(x)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, exact.mm(x), atol=2e-2, rtol=2e-2)
+
+
+def test_rope_by_halves_equals_hugging_faces() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from models.llama_lean import _rotate
+
+    generator = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 9, 64, generator=generator), torch.randn(3, 3, 64, generator=generator)
+    cos, sin = torch.randn(3, 1, 64, generator=generator), torch.randn(3, 1, 64, generator=generator)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0], unsqueeze_dim=1)
+    signed_sin = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1).view(3, 1, 2, 32)
+    torch.testing.assert_close(_rotate(torch.cat([q, k], dim=1), cos.view(3, 1, 2, 32), signed_sin), torch.cat([want_q, want_k], dim=1))
+
+
+def test_without_the_kernel_the_products_run_torchs_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    import models.lean_linear as lean_linear
+
+    monkeypatch.setattr(lean_linear, "kernel_isa", lambda: None)
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * 0.05
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6))
+    for linear in (lean_linear.Int8Linear(weight), lean_linear.int4_round_to_nearest(weight)):
+        assert linear.isa is None
+        torch.testing.assert_close(linear.mm(x), x @ linear.dequantized().t(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="kernel"):
+        lean_linear.Int8Linear.from_blocks(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2))

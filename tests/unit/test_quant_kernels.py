@@ -1,0 +1,85 @@
+"""models.quant_kernels: the C++ weight-only int4 / int8 products on every ISA path this CPU has
+(both AVX-512 and AVX2 on an AVX-512 machine) against a float64 product of the dequantized
+weights, on odd row counts and in_features that are multiples of 32 but not of 64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import quant_kernels as qk
+
+# (out_features, in_features, rows): odd rows around the kernel's row chunks and channel blocks.
+SHAPES = [(7, 96, 1), (33, 160, 3), (64, 576, 5), (129, 64, 9), (70, 32, 2)]
+
+
+@pytest.fixture(scope="module")
+def isas() -> list[qk.Isa]:
+    if qk.kernel() is None:
+        pytest.skip(f"C++ kernel unavailable: {qk.kernel_unavailable_reason()}")
+    supported = qk.supported_isas()
+    if not supported:
+        pytest.skip("the CPU has no AVX2")
+    return supported
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ weight.double().t()).float()
+
+
+def test_int4_matches_the_dequantized_product_on_every_isa(isas: list[qk.Isa]) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for n, k, rows in SHAPES:
+        q = torch.randint(0, 16, (n, k), generator=generator)
+        d = torch.rand(n, k // 32, generator=generator) * 0.02
+        m = -torch.rand(n, k // 32, generator=generator) * 0.1
+        weight = d.repeat_interleave(32, dim=1) * q + m.repeat_interleave(32, dim=1)
+        x = torch.randn(rows, k, generator=generator)
+        for isa in isas:
+            got = qk.int4_linear(x, qk.pack_int4(q), d, m, isa)
+            torch.testing.assert_close(got, reference(x, weight), atol=1e-5, rtol=1e-5, msg=f"{isa.name} {n}x{k} rows={rows}")
+
+
+def test_int8_matches_the_dequantized_product_per_group_and_per_channel(isas: list[qk.Isa]) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for n, k, rows in SHAPES:
+        q = torch.randint(-128, 128, (n, k), generator=generator).to(torch.int8)
+        x = torch.randn(rows, k, generator=generator)
+        for group in (32, k):
+            scales = torch.rand(n, k // group, generator=generator) * 0.01
+            weight = scales.repeat_interleave(group, dim=1) * q
+            for isa in isas:
+                got = qk.int8_linear(x, q, scales, isa)
+                torch.testing.assert_close(got, reference(x, weight), atol=1e-5, rtol=1e-5, msg=f"{isa.name} group {group}")
+
+
+def test_bad_shapes_and_dtypes_are_refused(isas: list[qk.Isa]) -> None:
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="in_features=64"):
+        qk.int8_linear(torch.zeros(1, 32), q, torch.ones(4, 1), isas[0])
+    with pytest.raises(TypeError, match="float32"):
+        qk.int8_linear(torch.zeros(1, 64, dtype=torch.float64), q, torch.ones(4, 1), isas[0])
+    with pytest.raises(ValueError, match="power-of-two multiple of 32"):
+        qk.int8_linear(torch.zeros(1, 96), torch.zeros(4, 96, dtype=torch.int8), torch.ones(4, 32), isas[0])
+    with pytest.raises(ValueError, match="divisible by 32"):
+        qk.pack_int4(torch.zeros(4, 48))
+
+
+def test_the_isa_switch_forces_a_path_and_names_itself_when_wrong(isas: list[qk.Isa]) -> None:
+    assert qk.chosen_isa({}) == isas[-1]
+    assert qk.chosen_isa({qk.ISA_ENV: "avx2"}) == qk.Isa.AVX2
+    with pytest.raises(ValueError, match=qk.ISA_ENV):
+        qk.chosen_isa({qk.ISA_ENV: "sse9"})
+
+
+def test_rms_norm_and_the_residual_add_before_it_match_torch(isas: list[qk.Isa]) -> None:
+    generator = torch.Generator().manual_seed(2)
+    for rows, hidden in ((1, 576), (37, 100)):
+        x, delta = torch.randn(rows, hidden, generator=generator), torch.randn(rows, hidden, generator=generator)
+        weight = torch.randn(hidden, generator=generator)
+        want = torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-5)
+        torch.testing.assert_close(qk.rms_norm(x, weight, 1e-5), want)
+        residual = x.clone()
+        got = qk.add_rms_norm_(residual, delta, weight, 1e-5)
+        torch.testing.assert_close(residual, x + delta)
+        torch.testing.assert_close(got, torch.nn.functional.rms_norm(x + delta, (hidden,), weight, 1e-5))
