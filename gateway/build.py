@@ -162,7 +162,7 @@ class BucketBuilder:
 
     def _kv_num_blocks(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig) -> int:
         block_size = config.batcher.block_size  # type: ignore[union-attr]
-        bytes_per_token = loaded.kv_shape().bytes_per_token(loaded.dtype_bytes)
+        bytes_per_token = loaded.kv_shape().bytes_per_token_for(config.kv_cache_dtype, loaded.dtype_bytes)
         where = f"models.{model.name}.buckets.{config.bucket_name}"
         return memory.kv_num_blocks(self.kv_memory_bytes[(model.name, config.bucket_name)], block_size, bytes_per_token, where)
 

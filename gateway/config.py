@@ -142,6 +142,15 @@ class BucketConfig(_Strict):
     # the bucket's gate record enabled (`sluice gate`), else eager.
     backend: Literal["eager", "compiled", "onnx", "lean", "auto"] = "eager"
     quantization: Literal["none", "int8", "int4"] = "none"
+    # How a continuous bucket's KV pool stores K/V (models/kv_cache.py): float32, bfloat16, or
+    # int8 with a float32 scale per token and KV head; None: the model's dtype (float32 by default).
+    kv_cache_dtype: Literal["float32", "bfloat16", "int8"] | None = None
+
+    @model_validator(mode="after")
+    def _check_kv_cache_dtype(self) -> "BucketConfig":
+        if self.kv_cache_dtype is not None and not isinstance(self.batcher, ContinuousBatcherConfig):
+            raise ValueError("kv_cache_dtype: only a continuous batcher has a KV cache")
+        return self
 
     @property
     def bucket_name(self) -> str:

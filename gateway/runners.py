@@ -104,14 +104,17 @@ def causal_lm_runner(
     def build(on_fallback: OnFallback) -> CausalLMRunner:
         runner = CausalLMRunner(
             loaded.model, num_blocks, block_size, backend=label, on_fallback=on_fallback, eos_token_ids=loaded.eos_token_ids,
-            tokenizer=loaded.tokenizer,
+            tokenizer=loaded.tokenizer, kv_cache_dtype=config.kv_cache_dtype,
         )
         info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
         return runner
 
     return _with_eager_fallback(
         loaded.name, config, label, info, build,
-        lambda: CausalLMRunner(loaded.model, num_blocks, block_size, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer),
+        lambda: CausalLMRunner(
+            loaded.model, num_blocks, block_size, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer,
+            kv_cache_dtype=config.kv_cache_dtype,
+        ),
     )
 
 
