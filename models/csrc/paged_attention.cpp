@@ -74,11 +74,14 @@ inline vec16 load16(const c10::BFloat16* p) {
   return v;
 }
 
+// A loop, not __builtin_convertvector: GCC 12 converts an int8 vector lane by lane in scalar
+// code, but vectorizes this (sign extensions and vcvtdq2ps).
 inline vec16 load16(const int8_t* p) {
-  typedef int8_t i8x16 __attribute__((vector_size(16)));
-  i8x16 bytes;
-  std::memcpy(&bytes, p, sizeof(bytes));
-  return __builtin_convertvector(bytes, vec16);
+  float lanes[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  vec16 v;
+  std::memcpy(&v, lanes, sizeof(v));
+  return v;
 }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
@@ -201,8 +204,11 @@ struct Problem {
   float scale;
 };
 
+// Caches other than float32 are widened block by block into a float buffer (int8 rows times
+// their scales) before the dot products and the weighted sums: each element is converted once,
+// not once per query head of its kv head, and the arithmetic runs on L1-resident float rows.
 template <typename TKV>
-constexpr bool kQuantized = std::is_same_v<TKV, int8_t>;
+constexpr bool kWidened = !std::is_same_v<TKV, float>;
 
 // One thread's share of one sequence: kv heads [kv_begin, kv_end) and their query heads.
 struct Share {
@@ -215,7 +221,7 @@ struct Scratch {
   std::vector<float> scores;    // [heads, score_stride]: scores, then exp(score - max score)
   std::vector<float> acc;       // [heads, head_dim]
   std::vector<float> inv_sums;  // [heads]
-  std::vector<float> weights;   // [block_size]: one block's softmax weights times its V scales
+  std::vector<float> block;     // [block_size, kv heads, head_dim]: one block's rows, widened
 };
 
 // A share's context rounded up to whole 16-lane vectors, the row length of Scratch::scores.
@@ -266,23 +272,45 @@ inline void load_query(const Problem<TQ, TKV>& p, const Share& share, float* q) 
   }
 }
 
-// scores[h, t] = q[h] . K[t] for every token (times K's scale for an int8 cache); lanes past the
-// context are set to -inf.
+// The share's rows of one block as float: rows of the cache itself for float32 (row_stride
+// num_kv_heads * head_dim); else widened into buffer, int8 rows times their scales (row_stride
+// (kv_end - kv_begin) * head_dim). Row i of kv head kv starts at result + i * row_stride + kv * head_dim.
 template <typename TQ, typename TKV>
-inline void score_keys(const Problem<TQ, TKV>& p, const Share& share, const float* q, float* scores) {
+inline const float* float_rows(const Problem<TQ, TKV>& p, const Share& share, const TKV* rows, const float* scales,
+                               int64_t count, float* buffer, int64_t& row_stride) {
+  const int64_t dim = p.head_dim;
+  row_stride = p.num_kv_heads * dim;
+  if constexpr (!kWidened<TKV>) {
+    return rows;
+  } else {
+    const int64_t num_kv = share.kv_end - share.kv_begin;
+    for (int64_t i = 0; i < count; ++i) {
+      for (int64_t kv = 0; kv < num_kv; ++kv) {
+        const TKV* src = rows + i * row_stride + kv * dim;
+        float* dst = buffer + (i * num_kv + kv) * dim;
+        const float row_scale = scales == nullptr ? 1.0f : scales[i * p.num_kv_heads + kv];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]) * row_scale;
+      }
+    }
+    row_stride = num_kv * dim;
+    return buffer;
+  }
+}
+
+// scores[h, t] = q[h] . K[t] for every token; lanes past the context are set to -inf.
+template <typename TQ, typename TKV>
+inline void score_keys(const Problem<TQ, TKV>& p, const Share& share, const float* q, float* scores, float* buffer) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dim = p.head_dim;
-  const int64_t row_stride = p.num_kv_heads * dim;
   const int64_t context_len = p.context_lens[share.seq];
   const int64_t stride = score_stride(context_len);
   for_each_block(p, share, p.key_cache, p.key_scales, [&](int64_t start, int64_t count, const TKV* rows, const float* scales) {
+    int64_t row_stride;
+    const float* keys = float_rows(p, share, rows, scales, count, buffer, row_stride);
     for (int64_t i = 0; i < count; ++i) {
       for (int64_t kv = 0; kv < share.kv_end - share.kv_begin; ++kv) {
-        const TKV* k = rows + i * row_stride + kv * dim;
-        const float k_scale = kQuantized<TKV> ? scales[i * p.num_kv_heads + kv] : 1.0f;
-        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-          scores[h * stride + start + i] = dot(q + h * dim, k, dim) * k_scale;
-        }
+        const float* k = keys + i * row_stride + kv * dim;
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) scores[h * stride + start + i] = dot(q + h * dim, k, dim);
       }
     }
   });
@@ -291,24 +319,20 @@ inline void score_keys(const Problem<TQ, TKV>& p, const Share& share, const floa
   }
 }
 
-// acc[h] = sum over tokens of weights[h, t] * V[t] (V's scale folded into the weight for int8).
+// acc[h] = sum over tokens of weights[h, t] * V[t].
 template <typename TQ, typename TKV>
 inline void accumulate_values(const Problem<TQ, TKV>& p, const Share& share, const float* weights, float* acc,
-                              float* block_weights) {
+                              float* buffer) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dim = p.head_dim;
-  const int64_t row_stride = p.num_kv_heads * dim;
   const int64_t stride = score_stride(p.context_lens[share.seq]);
   std::fill(acc, acc + (share.kv_end - share.kv_begin) * group * dim, 0.0f);
   for_each_block(p, share, p.value_cache, p.value_scales, [&](int64_t start, int64_t count, const TKV* rows, const float* scales) {
+    int64_t row_stride;
+    const float* values = float_rows(p, share, rows, scales, count, buffer, row_stride);
     for (int64_t kv = 0; kv < share.kv_end - share.kv_begin; ++kv) {
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-        const float* w = weights + h * stride + start;
-        if constexpr (kQuantized<TKV>) {
-          for (int64_t i = 0; i < count; ++i) block_weights[i] = w[i] * scales[i * p.num_kv_heads + kv];
-          w = block_weights;
-        }
-        weighted_rows_add(acc + h * dim, w, rows + kv * dim, row_stride, count, dim);
+        weighted_rows_add(acc + h * dim, weights + h * stride + start, values + kv * dim, row_stride, count, dim);
       }
     }
   });
@@ -319,9 +343,9 @@ inline void attend_share(const Problem<TQ, TKV>& p, const Share& share, Scratch&
   const int64_t num_heads = (share.kv_end - share.kv_begin) * (p.num_heads / p.num_kv_heads);
   const int64_t stride = score_stride(p.context_lens[share.seq]);
   load_query(p, share, s.query.data());
-  score_keys(p, share, s.query.data(), s.scores.data());
+  score_keys(p, share, s.query.data(), s.scores.data(), s.block.data());
   for (int64_t h = 0; h < num_heads; ++h) s.inv_sums[h] = 1.0f / exp_and_sum(s.scores.data() + h * stride, stride);
-  accumulate_values(p, share, s.scores.data(), s.acc.data(), s.weights.data());
+  accumulate_values(p, share, s.scores.data(), s.acc.data(), s.block.data());
   const int64_t dim = p.head_dim;
   TQ* out = p.out + (share.seq * p.num_heads + share.kv_begin * (p.num_heads / p.num_kv_heads)) * dim;
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -341,7 +365,8 @@ inline void run_items(const Problem<TQ, TKV>& p, int64_t begin, int64_t end) {
     max_stride = std::max(max_stride, score_stride(p.context_lens[seq]));
   }
   Scratch s{std::vector<float>(heads * p.head_dim), std::vector<float>(heads * max_stride),
-            std::vector<float>(heads * p.head_dim), std::vector<float>(heads), std::vector<float>(p.block_size)};
+            std::vector<float>(heads * p.head_dim), std::vector<float>(heads),
+            std::vector<float>(kWidened<TKV> ? p.block_size * std::min(end - begin, kv_heads) * p.head_dim : 0)};
   for (int64_t seq = begin / kv_heads; seq * kv_heads < end; ++seq) {
     const int64_t first = std::max(begin, seq * kv_heads) - seq * kv_heads;
     attend_share(p, Share{seq, first, std::min(end, (seq + 1) * kv_heads) - seq * kv_heads}, s);
