@@ -160,3 +160,51 @@ def test_smollm2_decodes_with_each_kv_dtype_close_to_float32(smollm2: Any, backe
     mean_kl = float((reference.exp() * (reference - got)).sum(-1).mean())
     assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.3f}"
     assert 0 < mean_kl <= MAX_MEAN_KL_NATS, f"mean KL {mean_kl:.5f} nats"
+
+
+# SmolLM2-135M, all layers, int8 KV against float32 KV on the gate's 8 texts x 16 tokens (this
+# machine, python -m bench.kv_dtype accuracy).
+SMOLLM2_INT8_FIGURES = {
+    "kv_cache_dtype": "int8", "greedy_agreement": 0.8047, "top1_agreement": 0.9609,
+    "mean_kl_nats": 0.00054, "max_kl_nats": 0.0104,
+}  # fmt: skip
+
+
+def test_greedy_agreement_counts_positions_up_to_the_first_divergence() -> None:
+    from models.kv_accuracy import greedy_agreement
+
+    assert greedy_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == (2 / 4 + 1) / 2
+
+
+def test_the_gate_enables_int8_kv_only_on_figures_that_pass_its_thresholds() -> None:
+    from gateway.config import GateConfig
+    from gateway.gate import chosen_kv_cache_dtype
+
+    record = {"kv_cache": [SMOLLM2_INT8_FIGURES]}
+    assert chosen_kv_cache_dtype(record, GateConfig()) == "float32"  # 0.80 < 0.99: refused
+    assert chosen_kv_cache_dtype(record, GateConfig(min_kv_greedy_agreement=0.8)) == "int8"
+    assert chosen_kv_cache_dtype(record, GateConfig(min_kv_greedy_agreement=0.8, max_kv_mean_kl_nats=1e-4)) == "float32"
+    assert chosen_kv_cache_dtype({}, GateConfig(min_kv_greedy_agreement=0.1)) == "float32"
+
+
+def test_an_auto_bucket_runs_the_kv_dtype_its_record_chose(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from gateway import gate, runners
+    from gateway.config import GateConfig
+
+    config = parse_config({"slices": [{"name": "s"}], "models": [{
+        "name": "gen", "source": "/m", "task": "generate", "max_model_len": 64,
+        "buckets": [{"max_input_tokens": 64, "slice": "s", "kv_cache_dtype": "auto",
+                     "batcher": {"kind": "continuous", "max_num_batched_tokens": 64}}],
+    }]})  # fmt: skip
+    model, bucket = config.models[0], config.models[0].buckets[0]
+    loaded: Any = SimpleNamespace(device="cpu", folder=tmp_path)
+    info: dict[str, Any] = {}
+    lenient = GateConfig(min_kv_greedy_agreement=0.8)
+    assert runners.kv_cache_dtype(tmp_path, lenient, model, loaded, bucket, 1, info) == "float32"  # no record yet
+    key = gate.gate_key(model, bucket, loaded, 1)
+    assert key["kv_cache_dtype"] == "auto"
+    gate.save_record(gate.record_path(tmp_path, "gen", bucket.bucket_name), {"key": key, "kv_cache": [SMOLLM2_INT8_FIGURES]})
+    assert runners.kv_cache_dtype(tmp_path, lenient, model, loaded, bucket, 1, info) == "int8" == info["kv_cache_dtype"]
+    assert runners.kv_cache_dtype(tmp_path, GateConfig(), model, loaded, bucket, 1, info) == "float32"
