@@ -48,6 +48,8 @@ EXTENSION_NAME = "sluice_paged_attention"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# Headers the source includes from its own folder (copied beside it for the build).
+HEADER_PATHS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec16.h", "paged_attention_checks.h"))
 # -O3; -ffp-contract=fast lets the vector loops use FMA (off by default under -std=c++20);
 # -fopenmp, because at::parallel_for is a header template that runs serially without it (the
 # library resolves to the libgomp torch already loaded, so there is one thread pool); -Wno-psabi
@@ -301,10 +303,11 @@ class KernelLoader:
 
 def build_directory() -> Path:
     """``$SLUICE_CACHE_DIR/torch_extensions/<python>_<torch>_<machine>_<source hash>`` (cache dir
-    default ``~/.cache/sluice``). The hash covers the kernel's source and flags, so every checkout
-    of the same kernel shares one build, wherever it lies."""
+    default ``~/.cache/sluice``). The hash covers the kernel's source, its headers and flags, so
+    every checkout of the same kernel shares one build, wherever it lies."""
     root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sluice")
-    digest = hashlib.sha256(SOURCE_PATH.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    sources = b"".join(path.read_bytes() for path in (SOURCE_PATH, *HEADER_PATHS))
+    digest = hashlib.sha256(sources + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{platform.machine()}_{digest}"
     return root / "torch_extensions" / tag
 
@@ -334,8 +337,10 @@ def build_extension() -> ModuleType:
         (directory / _TORCH_LOCK_NAME).unlink(missing_ok=True)
         # torch's build file names its sources by absolute path: build from a copy inside the
         # directory, so a checkout elsewhere finds the same build file and reuses the binary.
-        if not source.exists() or source.read_bytes() != SOURCE_PATH.read_bytes():
-            shutil.copyfile(SOURCE_PATH, source)
+        for path in (SOURCE_PATH, *HEADER_PATHS):
+            copy = directory / path.name
+            if not copy.exists() or copy.read_bytes() != path.read_bytes():
+                shutil.copyfile(path, copy)
         with _torch_build_logs_quiet():
             module: Any = load(
                 name=EXTENSION_NAME,

@@ -2,8 +2,8 @@
 //
 // The cache holds float32, bfloat16 or int8 K/V (the query float32 or bfloat16). An int8 cache
 // comes with a float32 scale per token and kv head (symmetric absmax, x ~= scale * q, written by
-// models/kv_cache.py); rows are widened to float in registers and the scale is applied once per
-// row: to the dot product for K, to the softmax weight for V (as vLLM's and llama.cpp's q8 KV).
+// models/kv_cache.py). Other than float32 caches are widened a block at a time into an L1 buffer of
+// floats, int8 rows times their scales (each element converted once, not once per query head).
 //
 // Built lazily by models/paged_attention.py through torch.utils.cpp_extension.load. Threads split
 // the (sequence, kv head) pairs into contiguous ranges holding about equal numbers of tokens; a
@@ -30,6 +30,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_attention_checks.h"
+#include "vec16.h"
+
 namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
@@ -38,153 +41,9 @@ namespace {
 #define SLUICE_AVX2 __attribute__((target("arch=x86-64-v3"), flatten))
 #endif
 
-inline float to_float(float x) { return x; }
+using namespace sluice_checks;
+using namespace sluice_vec;
 
-inline float to_float(int8_t x) { return static_cast<float>(x); }
-
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// Loops over head_dim use 16-float vectors (GCC vector extensions): one AVX-512 register, two
-// AVX2 or four SSE ones, whichever clone runs. A head_dim that is not a multiple of 16 ends in a
-// scalar tail.
-constexpr int64_t kLanes = 16;
-typedef float vec16 __attribute__((vector_size(64)));
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vec16 load16(const c10::BFloat16* p) {
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u16x16 half;
-  std::memcpy(&half, p, sizeof(half));
-  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-  vec16 v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-// A loop, not __builtin_convertvector: GCC 12 converts an int8 vector lane by lane in scalar
-// code, but vectorizes this (sign extensions and vcvtdq2ps).
-inline vec16 load16(const int8_t* p) {
-  float lanes[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
-  vec16 v;
-  std::memcpy(&v, lanes, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Horizontal sum by halves, in registers.
-inline float reduce_add(vec16 v) {
-  vec8 lo8, hi8;
-  std::memcpy(&lo8, &v, sizeof(lo8));
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof(lo8), sizeof(hi8));
-  const vec8 s8 = lo8 + hi8;
-  vec4 lo4, hi4;
-  std::memcpy(&lo4, &s8, sizeof(lo4));
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof(lo4), sizeof(hi4));
-  const vec4 s4 = lo4 + hi4;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
-  vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};  // independent FMA chains
-  int64_t d = 0;
-  for (; d + 4 * kLanes <= n; d += 4 * kLanes) {
-    a0 += load16(q + d) * load16(k + d);
-    a1 += load16(q + d + kLanes) * load16(k + d + kLanes);
-    a2 += load16(q + d + 2 * kLanes) * load16(k + d + 2 * kLanes);
-    a3 += load16(q + d + 3 * kLanes) * load16(k + d + 3 * kLanes);
-  }
-  for (; d + kLanes <= n; d += kLanes) a0 += load16(q + d) * load16(k + d);
-  float sum = reduce_add((a0 + a1) + (a2 + a3));
-  for (; d < n; ++d) sum += q[d] * to_float(k[d]);
-  return sum;
-}
-
-// out[0..n) += sum over i < count of p[i] * rows[i * row_stride + 0..n). The output stays in
-// registers across the rows, 64 floats (four independent FMA chains) at a time.
-template <typename T>
-inline void weighted_rows_add(float* out, const float* p, const T* rows, int64_t row_stride, int64_t count,
-                              int64_t n) {
-  int64_t d = 0;
-  for (; d + 4 * kLanes <= n; d += 4 * kLanes) {
-    vec16 a0 = load16(out + d), a1 = load16(out + d + kLanes);
-    vec16 a2 = load16(out + d + 2 * kLanes), a3 = load16(out + d + 3 * kLanes);
-    for (int64_t i = 0; i < count; ++i) {
-      const T* row = rows + i * row_stride + d;
-      a0 += p[i] * load16(row);
-      a1 += p[i] * load16(row + kLanes);
-      a2 += p[i] * load16(row + 2 * kLanes);
-      a3 += p[i] * load16(row + 3 * kLanes);
-    }
-    store16(out + d, a0);
-    store16(out + d + kLanes, a1);
-    store16(out + d + 2 * kLanes, a2);
-    store16(out + d + 3 * kLanes, a3);
-  }
-  for (; d + kLanes <= n; d += kLanes) {
-    vec16 acc = load16(out + d);
-    for (int64_t i = 0; i < count; ++i) acc += p[i] * load16(rows + i * row_stride + d);
-    store16(out + d, acc);
-  }
-  for (; d < n; ++d) {
-    for (int64_t i = 0; i < count; ++i) out[d] += p[i] * to_float(rows[i * row_stride + d]);
-  }
-}
-
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial, about 1 ulp),
-// 16 lanes at a time; std::exp would stay scalar.
-inline vec16 exp_nonpositive(vec16 x) {
-  typedef int32_t vec16i __attribute__((vector_size(64)));
-  const vec16 lowest = vec16{} - 87.0f;  // e^-87 is below float precision next to the max term (e^0 = 1)
-  x = x < lowest ? lowest : x;
-  const vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec16 p = vec16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vec16i bits = (__builtin_convertvector(n, vec16i) + 127) << 23;  // 2^n
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// scores[0..n) <- exp(scores - max(scores)); returns their sum. n is a multiple of 16 (padding
-// lanes hold -inf and come out as e^-87, nothing next to the max term's 1).
-inline float exp_and_sum(float* scores, int64_t n) {
-  vec16 lane_max = load16(scores);
-  for (int64_t t = kLanes; t < n; t += kLanes) {
-    const vec16 v = load16(scores + t);
-    lane_max = v > lane_max ? v : lane_max;
-  }
-  float max = lane_max[0];
-  for (int64_t j = 1; j < kLanes; ++j) max = std::max(max, lane_max[j]);
-  vec16 sum = {};
-  for (int64_t t = 0; t < n; t += kLanes) {
-    const vec16 e = exp_nonpositive(load16(scores + t) - max);
-    store16(scores + t, e);
-    sum += e;
-  }
-  return reduce_add(sum);
-}
 
 // Everything the per-sequence work needs, validated by the launcher. TQ is the query's and the
 // output's element type, TKV the cache's; scales are [num_blocks, block_size, num_kv_heads]
@@ -446,76 +305,6 @@ std::vector<int64_t> balanced_splits(const int32_t* context_lens, int64_t num_se
   return splits;
 }
 
-void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens) {
-  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got shape ", query.sizes());
-  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], ",
-                    "got shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-                    " differs from key_cache shape ", key_cache.sizes());
-  TORCH_CHECK_TYPE(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
-                   "query dtype must be float32 or bfloat16, got ", query.scalar_type());
-  const at::ScalarType cache_type = key_cache.scalar_type();
-  TORCH_CHECK_TYPE(value_cache.scalar_type() == cache_type &&
-                       (cache_type == query.scalar_type() || cache_type == at::kChar ||
-                        (query.scalar_type() == at::kFloat && cache_type == at::kBFloat16)),
-                   "key_cache and value_cache dtypes must match query (", query.scalar_type(),
-                   ") or be int8, or bfloat16 under a float32 query, got ", key_cache.scalar_type(), " and ",
-                   value_cache.scalar_type());
-  TORCH_CHECK_TYPE(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-                   "block_tables and context_lens must be int32, got ", block_tables.scalar_type(), " and ",
-                   context_lens.scalar_type());
-  for (const at::Tensor* t : {&query, &key_cache, &value_cache, &block_tables, &context_lens}) {
-    TORCH_CHECK_VALUE(t->device().is_cpu(), "paged attention kernel runs on CPU tensors, got ", t->device());
-  }
-  TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous(),
-                    "key_cache and value_cache must be contiguous");
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK_VALUE(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2),
-                    " differs from the cache's head_dim ", key_cache.size(3));
-  TORCH_CHECK_VALUE(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, "num_heads ", query.size(1),
-                    " is not a multiple of num_kv_heads ", num_kv_heads);
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-                    "block_tables must be [num_seqs=", num_seqs, ", max_blocks_per_seq], got shape ",
-                    block_tables.sizes());
-  TORCH_CHECK_VALUE(context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
-                    "context_lens must be [num_seqs=", num_seqs, "], got shape ", context_lens.sizes());
-}
-
-// An int8 cache needs both scale tensors, [num_blocks, block_size, num_kv_heads] float32
-// contiguous; a float cache takes none.
-void check_scales(const at::Tensor& key_cache, const c10::optional<at::Tensor>& key_scales,
-                  const c10::optional<at::Tensor>& value_scales) {
-  const bool quantized = key_cache.scalar_type() == at::kChar;
-  TORCH_CHECK_VALUE(key_scales.has_value() == quantized && value_scales.has_value() == quantized,
-                    quantized ? "an int8 cache needs key_scales and value_scales"
-                              : "key_scales and value_scales go with an int8 cache only");
-  if (!quantized) return;
-  const auto expected = key_cache.sizes().slice(0, 3);
-  for (const at::Tensor* t : {&*key_scales, &*value_scales}) {
-    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, "scales must be float32, got ", t->scalar_type());
-    TORCH_CHECK_VALUE(t->sizes() == expected && t->is_contiguous() && t->device().is_cpu(),
-                      "scales must be contiguous CPU tensors of shape ", expected, ", got ", t->sizes());
-  }
-}
-
-// Reads the int32 tables once: a bad entry would otherwise read outside the cache.
-void check_tables(const int32_t* block_tables, const int32_t* context_lens, int64_t num_seqs,
-                  int64_t max_blocks_per_seq, int64_t block_size, int64_t num_blocks) {
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t context_len = context_lens[seq];
-    TORCH_CHECK_VALUE(context_len >= 1 && context_len <= max_blocks_per_seq * block_size, "context_lens[", seq,
-                      "] = ", context_len, " is outside [1, max_blocks_per_seq * block_size = ",
-                      max_blocks_per_seq * block_size, "]");
-    const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-    for (int64_t b = 0; b < used_blocks; ++b) {
-      const int64_t block = block_tables[seq * max_blocks_per_seq + b];
-      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", seq, ", ", b, "] = ", block,
-                        " is outside [0, num_blocks = ", num_blocks, ")");
-    }
-  }
-}
 
 template <typename TQ, typename TKV>
 void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from gateway.config import parse_config
 from gateway.errors import ConfigError
 from models.attention import PackedStep, PrefillSegment, attend_packed
+from models.kv_accuracy import teacher_forced_logprobs
 from models.kv_cache import KVCacheDtype, KVShape, PagedKVCache, quantize_rows, storage_dtype
 from tests.unit import test_lean_backend as lean_tests
 
@@ -136,12 +137,6 @@ def test_the_config_key_is_checked_and_names_itself() -> None:
 smollm2 = lean_tests.smollm2
 
 
-def decode_logprobs(runner: Any, prompts: list[list[int]], continuations: list[list[int]]) -> torch.Tensor:
-    """``[positions, vocab]`` log-probabilities of every teacher-forced decode step, all prompts."""
-    rows = [lean_tests.teacher_forced_logits(runner, prompt, tokens) for prompt, tokens in zip(prompts, continuations)]
-    return torch.log_softmax(torch.cat(rows), dim=-1)
-
-
 _FLOAT32_KV: dict[str, torch.Tensor] = {}  # float32 KV's decode log-probabilities per backend, computed once
 
 
@@ -151,11 +146,11 @@ def test_smollm2_decodes_with_each_kv_dtype_close_to_float32(smollm2: Any, backe
 
     model, prompts, num_blocks, want = smollm2
     if backend not in _FLOAT32_KV:
-        _FLOAT32_KV[backend] = decode_logprobs(CausalLMRunner(model, num_blocks, lean_tests.BLOCK_SIZE, backend=backend), prompts, want)
+        _FLOAT32_KV[backend] = teacher_forced_logprobs(CausalLMRunner(model, num_blocks, lean_tests.BLOCK_SIZE, backend=backend), prompts, want)
     reference = _FLOAT32_KV[backend]
     runner = CausalLMRunner(model, num_blocks, lean_tests.BLOCK_SIZE, backend=backend, kv_cache_dtype=kv_cache_dtype)
     assert runner.backend == backend and runner.kv_cache.data.dtype == KVCacheDtype(kv_cache_dtype).torch_dtype
-    got = decode_logprobs(runner, prompts, want)
+    got = teacher_forced_logprobs(runner, prompts, want)
     agreement = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
     mean_kl = float((reference.exp() * (reference - got)).sum(-1).mean())
     assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.3f}"
