@@ -148,9 +148,10 @@ class BucketBuilder:
         kv_capacity_tokens = None
         make_batcher: Callable[[], Batcher]
         if isinstance(config.batcher, ContinuousBatcherConfig):
-            num_blocks = self._kv_num_blocks(model, loaded, config)
+            kv_dtype = runners.kv_cache_dtype(self.cache_dir, self.gate, model, loaded, config, device_slice.num_threads, info)
+            num_blocks = self._kv_num_blocks(model, loaded, config, kv_dtype)
             kv_capacity_tokens = memory.kv_capacity_tokens(num_blocks, config.batcher.block_size)
-            make_batcher = lambda: self._continuous(model, loaded, config, num_blocks, device_slice.num_threads, info)  # noqa: E731
+            make_batcher = lambda: self._continuous(model, loaded, config, num_blocks, device_slice.num_threads, info, kv_dtype)  # noqa: E731
         else:
             make_batcher = lambda: self._dynamic(model, loaded, config, device_slice.num_threads, info)  # noqa: E731
         bucket = Bucket(
@@ -160,9 +161,9 @@ class BucketBuilder:
         device_slice.attach(bucket.key, BucketSpec(config.batcher.kind, settings, make_batcher, info))
         return bucket
 
-    def _kv_num_blocks(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig) -> int:
+    def _kv_num_blocks(self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, kv_dtype: str | None) -> int:
         block_size = config.batcher.block_size  # type: ignore[union-attr]
-        bytes_per_token = loaded.kv_shape().bytes_per_token(loaded.dtype_bytes)
+        bytes_per_token = loaded.kv_shape().bytes_per_token_for(kv_dtype, loaded.dtype_bytes)
         where = f"models.{model.name}.buckets.{config.bucket_name}"
         return memory.kv_num_blocks(self.kv_memory_bytes[(model.name, config.bucket_name)], block_size, bytes_per_token, where)
 
@@ -174,13 +175,14 @@ class BucketBuilder:
         )
 
     def _continuous(
-        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_blocks: int, num_threads: int, info: dict[str, Any]
+        self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_blocks: int, num_threads: int, info: dict[str, Any],
+        kv_dtype: str | None = None,
     ) -> ContinuousBatcher:
         """The bucket's continuous batcher: its backend (gated when ``auto``) over a KV pool of
-        ``num_blocks`` blocks."""
+        ``num_blocks`` blocks of ``kv_dtype`` (None: the model's dtype)."""
         knobs: ContinuousBatcherConfig = config.batcher  # type: ignore[assignment]
         label = self._backend_label(model, loaded, config, num_threads, info)
-        runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info)
+        runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info, kv_dtype)
         log.info(
             "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
             block_size=knobs.block_size, kv_cache_bytes=runner.kv_cache.nbytes,

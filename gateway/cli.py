@@ -129,7 +129,7 @@ def _kv_model(args: argparse.Namespace) -> tuple[str, str | None, KVSource]:
 def _kv_plan(args: argparse.Namespace) -> int:
     from gateway.errors import ConfigError
     from models.errors import ModelSourceError
-    from models.kv_plan import DTYPE_BYTES, plan_kv_cache, plan_rows
+    from models.kv_plan import DTYPE_BYTES, KV_DTYPE_BYTES, ROW_SCALE_BYTES, dtype_description, plan_kv_cache, plan_rows
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -138,17 +138,17 @@ def _kv_plan(args: argparse.Namespace) -> int:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
     dtype = args.dtype or dtype or kv.dtype or "float32"
-    if dtype not in DTYPE_BYTES:
+    if dtype not in KV_DTYPE_BYTES:
         known = ", ".join(DTYPE_BYTES)
         print(f"sluice: the model's dtype {dtype!r} is not one of {known}; pass --dtype", file=sys.stderr)
         return 2
     shape = kv.shape
-    plan = plan_kv_cache(shape, DTYPE_BYTES[dtype], args.memory, args.block_size, args.seq_len)
+    plan = plan_kv_cache(shape, KV_DTYPE_BYTES[dtype], args.memory, args.block_size, args.seq_len, ROW_SCALE_BYTES.get(dtype, 0))
     rows = [
         ("model", name),
         ("read from", kv.origin),
         ("kv shape", f"{shape.num_layers} layers x {shape.num_kv_heads} kv heads x {shape.head_dim} head dim"),
-        ("dtype", f"{dtype} ({DTYPE_BYTES[dtype]} bytes)"),
+        ("dtype", dtype_description(dtype)),
         *plan_rows(plan, args.num_seqs),
     ]
     width = max(len(label) for label, _ in rows)
@@ -188,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv_plan.add_argument("--seq-len", type=_positive_int, default=1024, help="tokens per sequence (default 1024)")
     kv_plan.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
     kv_plan.add_argument("--num-seqs", type=_positive_int, help="also show the memory this many sequences need")
-    kv_plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="KV dtype (default: the model's)")
+    kv_plan.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16", "int8"], help="KV dtype, a bucket's kv_cache_dtype (default: the model's)"
+    )
     kv_plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
     kv_plan.set_defaults(func=_kv_plan)
     return parser

@@ -142,6 +142,17 @@ class BucketConfig(_Strict):
     # the bucket's gate record enabled (`sluice gate`), else eager.
     backend: Literal["eager", "compiled", "onnx", "lean", "auto"] = "eager"
     quantization: Literal["none", "int8", "int4"] = "none"
+    # How a continuous bucket's KV pool stores K/V (models/kv_cache.py): float32, bfloat16, or
+    # int8 with a float32 scale per token and KV head; auto: int8 when the bucket's gate record
+    # shows it passes gate.min_kv_greedy_agreement and gate.max_kv_mean_kl_nats, else float32;
+    # None: the model's dtype (float32 by default).
+    kv_cache_dtype: Literal["float32", "bfloat16", "int8", "auto"] | None = None
+
+    @model_validator(mode="after")
+    def _check_kv_cache_dtype(self) -> "BucketConfig":
+        if self.kv_cache_dtype is not None and not isinstance(self.batcher, ContinuousBatcherConfig):
+            raise ValueError("kv_cache_dtype: only a continuous batcher has a KV cache")
+        return self
 
     @property
     def bucket_name(self) -> str:
@@ -218,6 +229,10 @@ class GateConfig(_Strict):
     min_cosine: float = Field(default=0.999, gt=0, le=1)
     min_cosine_quantized: float = Field(default=0.99, gt=0, le=1)
     min_top1_agreement: float = Field(default=0.99, gt=0, le=1)
+    # What an int8 KV pool must show against float32 KV for kv_cache_dtype auto
+    # (models/kv_accuracy.py): greedy agreement up to the first divergence, and mean KL.
+    min_kv_greedy_agreement: float = Field(default=0.99, gt=0, le=1)
+    max_kv_mean_kl_nats: float = Field(default=0.02, gt=0)
     # Two-sided level of the bootstrap interval of the per-repeat speed-ups whose lower end
     # must reach min_speedup (policies/gating.py).
     confidence: float = Field(default=0.95, ge=0.5, lt=1)

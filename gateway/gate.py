@@ -42,6 +42,7 @@ from models.backends.eager import EagerEncoder
 from models.backends.measure import ALWAYS_IDLE, IdleGuard, batched, interleaved_times_ms, latency_fields, min_cosine
 from models.backends.registry import DECODER_FACTORIES, build_encoder
 from models.encoder import EmbeddingRunner
+from models.kv_accuracy import KVAccuracyThresholds, judge_kv_dtype, measure_kv_dtype
 from models.loader import LoadedModel
 from policies.gating import GateThresholds, Measurement, Verdict, choose_backend, judge
 
@@ -104,6 +105,8 @@ def gate_key(model: ModelConfig, bucket: BucketConfig, loaded: LoadedModel, num_
         "model": {"source": model.source, "dtype": model.dtype, "files": _folder_fingerprint(loaded.folder)},
         "kind": bucket.batcher.kind,
         "shapes": encoder_shapes(bucket) if model.task == "embed" else decoder_shapes(bucket),
+        # Only a bucket that gates its KV dtype measures it: other records keep their key.
+        **({"kv_cache_dtype": "auto"} if bucket.kv_cache_dtype == "auto" else {}),
     }
 
 
@@ -179,6 +182,14 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+def chosen_kv_cache_dtype(record: dict[str, Any], config: GateConfig) -> str:
+    """The KV dtype a ``kv_cache_dtype: auto`` bucket runs by ``record``: int8 when its int8
+    figures (``record["kv_cache"]``) pass ``config``'s thresholds, else float32."""
+    bounds = KVAccuracyThresholds(config.min_kv_greedy_agreement, config.max_kv_mean_kl_nats)
+    passing = [f for f in record.get("kv_cache", []) if f["kv_cache_dtype"] == "int8" and not judge_kv_dtype(f, bounds)]
+    return "int8" if passing else "float32"
+
+
 def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
     """The backend the record enables under ``config`` (``eager`` when none)."""
     return choose_backend(verdicts(record, config), thresholds(config))
@@ -216,6 +227,13 @@ def run_gate(
     ]
     record["chosen"] = choose_backend(judged, thresholds(config))
     record["thresholds"] = thresholds(config).__dict__
+    if bucket.kv_cache_dtype == "auto":
+        guard.wait_until_idle()
+        block_size = bucket.batcher.block_size  # type: ignore[union-attr]
+        record["kv_cache"] = [measure_kv_dtype(loaded.model, _decoder_prompts(loaded, bucket), 16, block_size, "int8")]
+        record["kv_cache_dtype"] = chosen_kv_cache_dtype(record, config)
+    elif model.task == "generate":
+        record["kv_cache_dtype"] = bucket.kv_cache_dtype or model.dtype
     return record
 
 
@@ -296,12 +314,17 @@ def _token_ids(loaded: LoadedModel, length: int) -> torch.Tensor:
 def _gate_decoder(loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, guard: IdleGuard) -> list[dict[str, Any]]:
     batcher = bucket.batcher
     assert isinstance(batcher, ContinuousBatcherConfig)
-    prompts = [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS[:8]]
+    prompts = _decoder_prompts(loaded, bucket)
     candidates = [c for c in config.candidates if c in DECODER_FACTORIES and c != "eager"]
     return measure_decoder(
         loaded.model, decoder_shapes(bucket), bucket.max_input_tokens, batcher.block_size, candidates, config.repeats, prompts,
         guard=guard,
     )
+
+
+def _decoder_prompts(loaded: LoadedModel, bucket: BucketConfig) -> list[list[int]]:
+    """The first 8 gate texts as token ids, cut to the bucket's limit."""
+    return [loaded.tokenizer(t, truncation=True, max_length=bucket.max_input_tokens)["input_ids"] for t in GATE_TEXTS[:8]]
 
 
 def summary(record: dict[str, Any] | None, config: GateConfig) -> dict[str, Any] | None:

@@ -99,7 +99,9 @@ def split_kv_memory(config: GatewayConfig, slice_budgets: dict[str, int]) -> dic
 
 def kv_num_blocks(memory_bytes: int, block_size_tokens: int, kv_bytes_per_token: int, where: str) -> int:
     """How many KV blocks of ``block_size_tokens`` tokens fit in ``memory_bytes``, one token
-    taking ``kv_bytes_per_token`` (``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``).
+    taking ``kv_bytes_per_token`` (:meth:`models.kv_cache.KVShape.bytes_per_token_for`:
+    ``2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)``, an int8 pool's
+    scales included).
 
     Raises:
         ConfigError: not one block fits; the message names ``where`` (the bucket's config path).

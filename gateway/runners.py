@@ -95,23 +95,50 @@ def encoder_backend(
     return _with_eager_fallback(model.name, config, label, info, build, lambda: eager)
 
 
+def kv_cache_dtype(
+    cache_dir: Path, gate_config: GateConfig, model: ModelConfig, loaded: LoadedModel, config: BucketConfig,
+    num_threads: int, info: dict[str, Any],
+) -> str | None:
+    """The dtype a continuous bucket's KV pool stores: as configured (None: the model's), or for
+    ``auto`` what its current gate record chose (:func:`gateway.gate.chosen_kv_cache_dtype`;
+    float32 without one: ``sluice gate``, or a background gate of an ``auto`` backend, writes
+    it). Sets ``info["kv_cache_dtype"]`` unless it is None."""
+    chosen = config.kv_cache_dtype
+    if chosen == "auto":
+        record = gate.load_record(gate.record_path(cache_dir, model.name, config.bucket_name), gate.gate_key(model, config, loaded, num_threads))
+        if record is None or "kv_cache" not in record:
+            chosen = "float32"
+            log.warning("kv_gate_record_missing", model=model.name, bucket=config.bucket_name, running=chosen,
+                        hint="run `sluice gate` for this model")
+        else:
+            chosen = gate.chosen_kv_cache_dtype(record, gate_config)
+    if chosen is not None:
+        info["kv_cache_dtype"] = chosen
+    return chosen
+
+
 def causal_lm_runner(
-    loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any]
+    loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any],
+    kv_dtype: str | None = None,
 ) -> Any:
-    """A decoder runner with backend ``label``, warmed at the bucket's step shapes; eager
-    when ``label`` cannot be built (logged)."""
+    """A decoder runner with backend ``label`` over a KV pool of ``kv_dtype`` (None: the
+    model's dtype), warmed at the bucket's step shapes; eager when ``label`` cannot be built
+    (logged)."""
 
     def build(on_fallback: OnFallback) -> CausalLMRunner:
         runner = CausalLMRunner(
             loaded.model, num_blocks, block_size, backend=label, on_fallback=on_fallback, eos_token_ids=loaded.eos_token_ids,
-            tokenizer=loaded.tokenizer,
+            tokenizer=loaded.tokenizer, kv_cache_dtype=kv_dtype,
         )
         info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
         return runner
 
     return _with_eager_fallback(
         loaded.name, config, label, info, build,
-        lambda: CausalLMRunner(loaded.model, num_blocks, block_size, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer),
+        lambda: CausalLMRunner(
+            loaded.model, num_blocks, block_size, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer,
+            kv_cache_dtype=kv_dtype,
+        ),
     )
 
 

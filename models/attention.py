@@ -5,12 +5,16 @@ tokens of every scheduled sequence back to back, their absolute ``position_ids``
 right), and a :class:`PackedStep` as the keyword ``sluice_step``. Hugging Face passes that keyword
 down to the registered attention function, which, per layer:
 
-1. writes all T new K/V rows into the paged pool with one indexed copy (``slot_mapping``);
+1. writes all T new K/V rows into the paged pool with one indexed copy (``slot_mapping``),
+   converted to the pool's dtype (quantized to int8 with a scale per row for an int8 pool);
 2. attends the *decode* rows (segments of one token) in one call of
    :func:`models.paged_attention.paged_decode_attention`, which reads K/V through block tables;
 3. attends each *prefill* segment (a prompt or a prompt chunk) with SDPA: over its own fresh
    K/V when it starts at position 0, else over its prefix gathered from its blocks
-   (a chunk after earlier chunks, or after blocks reused from the prefix cache).
+   (a chunk after earlier chunks, or after blocks reused from the prefix cache), widened or
+   dequantized to the query's dtype. With a bfloat16 or int8 pool, a segment at position 0 thus
+   attends over exact K/V (as vLLM's prefill does) and a later chunk over the stored ones, its
+   own tokens included.
 
 Decode segments come first in the packed input (the scheduler orders them so), which lets step 2
 use a slice instead of an index. Without ``sluice_step`` (for example ``model.generate`` on the
@@ -122,6 +126,8 @@ def attend_packed(step: PackedStep, layer: int, query: torch.Tensor, key: torch.
             step.block_tables,
             step.context_lens,
             scale,
+            step.kv_cache.key_scales(layer),
+            step.kv_cache.value_scales(layer),
         )
     for seg in step.prefills:
         end = seg.start + seg.num_tokens
@@ -129,7 +135,7 @@ def attend_packed(step: PackedStep, layer: int, query: torch.Tensor, key: torch.
             k, v = key[seg.start : end].transpose(0, 1).unsqueeze(0), value[seg.start : end].transpose(0, 1).unsqueeze(0)
         else:
             assert seg.block_ids is not None, "a chunk after a prefix needs its block table"
-            k, v = step.kv_cache.gather(layer, seg.block_ids, seg.position + seg.num_tokens)
+            k, v = step.kv_cache.gather(layer, seg.block_ids, seg.position + seg.num_tokens, query.dtype)
         q = query[seg.start : end].transpose(0, 1).unsqueeze(0)
         out[seg.start : end] = _attend(q, k, v, seg.position, scale)[0].transpose(0, 1)
     return out

@@ -19,7 +19,7 @@ from models.backends.base import BackendUnavailableError, DecoderBackend, Decode
 from models.backends.eager import EagerDecoder
 from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import DECODER_FACTORIES, build_decoder
-from models.kv_cache import KVShape, PagedKVCache
+from models.kv_cache import KVShape, PagedKVCache, storage_dtype
 from models.logits_processors import SequenceHistory
 from models.logprobs import token_logprobs
 from models.module_call_guard import module_calls
@@ -47,9 +47,11 @@ class CausalLMRunner:
         tokenizer: the model's Hugging Face tokenizer, for sequences with a
             ``params.constraint`` (:mod:`models.structured_sampling`); ``None``: a constrained
             sequence is refused with ``ValueError`` at its first step.
+        kv_cache_dtype: how the KV pool stores K/V (``float32``, ``bfloat16``, ``int8``;
+            :mod:`models.kv_cache`); ``None``: in the model's dtype.
 
     Raises:
-        ValueError: an unknown ``backend``.
+        ValueError: an unknown ``backend`` or ``kv_cache_dtype``.
 
     Called only from the bucket's worker thread: :meth:`warm_up` once at start, then once per
     step through :meth:`run`.
@@ -57,7 +59,7 @@ class CausalLMRunner:
 
     def __init__(
         self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None,
-        eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None,
+        eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, kv_cache_dtype: str | None = None,
     ):
         if backend not in DECODER_FACTORIES:
             raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
@@ -67,7 +69,7 @@ class CausalLMRunner:
         self.kv_shape = KVShape.from_config(model.config)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_cache = PagedKVCache(self.kv_shape, num_blocks, block_size, self.dtype, self.device)
+        self.kv_cache = PagedKVCache(self.kv_shape, num_blocks, block_size, storage_dtype(kv_cache_dtype, self.dtype), self.device)
         # Build (first start on a machine: ~30 s) or load the decode kernel now, not in a request.
         self.uses_compiled_kernel = compiled_kernel_available()
         self._generators: dict[int, torch.Generator] = {}
@@ -205,7 +207,7 @@ class CausalLMRunner:
         block_size = self.kv_cache.block_size
         num_blocks = min(self.kv_cache.num_blocks, max((_blocks_for(s, block_size) for s in shapes), default=1))
         blocks = torch.arange(num_blocks, device=self.device)
-        saved = self.kv_cache.data[:, :, blocks].clone()
+        saved = self.kv_cache.save_blocks(blocks)
         started = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -216,7 +218,7 @@ class CausalLMRunner:
                 raise
             raise BackendUnavailableError(f"{self._primary.name} decoder backend failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            self.kv_cache.data[:, :, blocks] = saved
+            self.kv_cache.restore_blocks(blocks, saved)
         return time.perf_counter() - started
 
     @module_calls

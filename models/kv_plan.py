@@ -1,7 +1,9 @@
 """KV-cache capacity planning: how many blocks, tokens and sequences fit in a memory budget.
 
 The arithmetic (:func:`plan_kv_cache`) is plain integers, from the formula in ARCHITECTURE.md:
-KV bytes per token = ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``. The rest reads a
+KV bytes per token = ``2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)``,
+``scale_bytes`` the float32 scale an int8 pool keeps per row of ``head_dim`` values (0 for float
+dtypes; :mod:`models.kv_cache`). The rest reads a
 model's KV geometry from its local files without loading weights (:func:`read_kv_source`): a
 folder's ``config.json``, or for a ``.gguf`` file the converted cache folder of
 :mod:`models.source` when it exists, else the GGUF header itself (:func:`read_gguf_metadata`).
@@ -17,10 +19,13 @@ from decimal import Decimal
 from pathlib import Path
 
 from models.errors import ModelSourceError
-from models.kv_cache import KVShape
+from models.kv_cache import KVCacheDtype, KVShape
 from models.source import gguf_cache_folder, resolve_source
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # a model's dtypes
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1}  # a KV pool's (kv_cache_dtype), per element
+# Bytes of scale per row of head_dim values, beside the elements (int8 pools only).
+ROW_SCALE_BYTES = {"int8": KVCacheDtype.INT8.row_scale_bytes}
 
 _UNIT_BYTES = {
     "": 1, "b": 1,
@@ -66,7 +71,7 @@ class KVPlan:
     """What a paged KV cache of one model holds in a memory budget, all in plain integers."""
 
     memory_bytes: int  # the budget for KV blocks
-    bytes_per_token: int  # 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    bytes_per_token: int  # 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + row_scale_bytes)
     block_size: int  # tokens per block
     block_bytes: int  # block_size * bytes_per_token
     num_blocks: int  # floor(memory_bytes / block_bytes)
@@ -85,8 +90,12 @@ class KVPlan:
         return num_seqs <= self.max_num_seqs
 
 
-def plan_kv_cache(shape: KVShape, dtype_bytes: int, memory_bytes: int, block_size: int, seq_len: int) -> KVPlan:
-    """Plan a paged KV cache of ``shape`` in ``dtype_bytes``-wide elements within ``memory_bytes``.
+def plan_kv_cache(
+    shape: KVShape, dtype_bytes: int, memory_bytes: int, block_size: int, seq_len: int, row_scale_bytes: int = 0
+) -> KVPlan:
+    """Plan a paged KV cache of ``shape`` in ``dtype_bytes``-wide elements within ``memory_bytes``,
+    each row of ``head_dim`` elements with ``row_scale_bytes`` of scale (4 for int8, see
+    :data:`ROW_SCALE_BYTES`).
 
     Raises:
         ValueError: a count below its minimum (``memory_bytes`` >= 0, the others >= 1), naming it.
@@ -96,10 +105,11 @@ def plan_kv_cache(shape: KVShape, dtype_bytes: int, memory_bytes: int, block_siz
         ("memory_bytes", memory_bytes, 0),
         ("block_size", block_size, 1),
         ("seq_len", seq_len, 1),
+        ("row_scale_bytes", row_scale_bytes, 0),
     ):
         if value < minimum:
             raise ValueError(f"{name}: must be at least {minimum} (got {value})")
-    bytes_per_token = shape.bytes_per_token(dtype_bytes)
+    bytes_per_token = shape.bytes_per_token(dtype_bytes, row_scale_bytes)
     block_bytes = block_size * bytes_per_token
     num_blocks = memory_bytes // block_bytes
     blocks_per_seq = -(-seq_len // block_size)
@@ -115,6 +125,13 @@ def plan_kv_cache(shape: KVShape, dtype_bytes: int, memory_bytes: int, block_siz
         seq_bytes=blocks_per_seq * block_bytes,
         max_num_seqs=num_blocks // blocks_per_seq,
     )
+
+
+def dtype_description(dtype: str) -> str:
+    """``float32 (4 bytes)``, ``int8 (1 byte, and a 4-byte scale per row of head_dim)``."""
+    element = f"{KV_DTYPE_BYTES[dtype]} byte{'s' if KV_DTYPE_BYTES[dtype] > 1 else ''}"
+    scale = ROW_SCALE_BYTES.get(dtype, 0)
+    return f"{dtype} ({element}, and a {scale}-byte scale per row of head_dim)" if scale else f"{dtype} ({element})"
 
 
 def plan_rows(plan: KVPlan, num_seqs: int | None = None) -> list[tuple[str, str]]:

@@ -8,6 +8,12 @@ of vLLM's paged attention; like vLLM's CPU backend, the work runs in one C++ ker
 Where the kernel cannot be built (``SLUICE_DISABLE_CPP_KERNELS=1``, no compiler or ninja, a build
 error) or the dtype or device is not one it handles, a pure-torch version gives the same result.
 
+The cache may hold K/V in the query's dtype, in bfloat16 under a float32 query, or in int8 with a
+float32 scale per token and kv head (:mod:`models.kv_cache`); the kernel widens rows in registers.
+Its hot loops are compiled for AVX-512, AVX2+FMA and the x86-64 baseline; the best the CPU has
+runs, unless ``SLUICE_KERNEL_ISA`` (``avx512``, ``avx2``, ``baseline``) names a lower one at load
+(tests force the AVX2 path on AVX-512 machines so).
+
 The build lands in ``$SLUICE_CACHE_DIR/torch_extensions`` (default ``~/.cache/sluice``), in a
 subfolder per Python, torch and machine so that different environments never load each other's
 binaries; later processes only load it.
@@ -37,9 +43,13 @@ log = structlog.get_logger(__name__)
 
 DISABLE_ENV = "SLUICE_DISABLE_CPP_KERNELS"
 CACHE_DIR_ENV = "SLUICE_CACHE_DIR"
+ISA_ENV = "SLUICE_KERNEL_ISA"
 EXTENSION_NAME = "sluice_paged_attention"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# Headers the source includes from its own folder (copied beside it for the build).
+HEADER_PATHS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec16.h", "paged_attention_checks.h"))
 # -O3; -ffp-contract=fast lets the vector loops use FMA (off by default under -std=c++20);
 # -fopenmp, because at::parallel_for is a header template that runs serially without it (the
 # library resolves to the libgomp torch already loaded, so there is one thread pool); -Wno-psabi
@@ -61,34 +71,62 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV; called once per layer per step.
 
     Args:
         query: ``[num_seqs, num_heads, head_dim]``, float32, bfloat16 or float16.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous,
-            the dtype of ``query``. ``num_heads`` is a multiple of ``num_kv_heads``; query head
-            ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+            the dtype of ``query``, bfloat16 under a float32 query, or int8. ``num_heads`` is a
+            multiple of ``num_kv_heads``; query head ``h`` reads kv head
+            ``h // (num_heads // num_kv_heads)``.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32; entries past a sequence's last
             block are ignored.
         context_lens: ``[num_seqs]`` int32, in ``[1, max_blocks_per_seq * block_size]``: the
             tokens each sequence attends to, its current one included.
         scale: multiplies ``q . k`` before the softmax (usually ``head_dim ** -0.5``).
+        key_scales, value_scales: with an int8 cache only, ``[num_blocks, block_size,
+            num_kv_heads]`` float32, contiguous: K/V row ``x`` stands for ``scale * x``.
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in the dtype of ``query``.
     Raises:
-        TypeError: a dtype is wrong. ValueError: a shape, a context length or a block id is.
+        TypeError: a dtype is wrong. ValueError: a shape, a context length, a block id or the
+        presence of the scales is.
     """
-    if query.dtype in KERNEL_DTYPES and query.device.type == "cpu":
+    if query.dtype in KERNEL_DTYPES and key_cache.dtype in KERNEL_CACHE_DTYPES and query.device.type == "cpu":
         kernel = _KERNEL.module()
         if kernel is not None:
-            return kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
-    return torch_paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+            return kernel.paged_decode_attention(
+                query, key_cache, value_cache, block_tables, context_lens, scale, key_scales, value_scales
+            )
+    return torch_paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, key_scales, value_scales)
 
 
 def compiled_kernel_available() -> bool:
     """Whether :func:`paged_decode_attention` runs the C++ kernel; builds it on the first call."""
     return _KERNEL.module() is not None
+
+
+def select_isa(name: str = "") -> str:
+    """Run the kernel's hot loops at ISA level ``name`` (``avx512``, ``avx2``, ``baseline``; ``""``:
+    the best the CPU has) from now on, process-wide; returns the level selected.
+
+    Raises:
+        RuntimeError: the C++ kernel is unavailable. ValueError: an unknown level, or one the CPU lacks.
+    """
+    kernel = _KERNEL.module()
+    if kernel is None:
+        raise RuntimeError(f"the C++ kernel is unavailable: {_KERNEL.unavailable_reason}")
+    return str(kernel.select_isa(name))
+
+
+def kernel_isa() -> str | None:
+    """The ISA level the C++ kernel's hot loops run at (``avx512``, ``avx2``, ``baseline``);
+    ``None`` when the kernel is unavailable."""
+    kernel = _KERNEL.module()
+    return None if kernel is None else str(kernel.isa())
 
 
 def kernel_unavailable_reason() -> str | None:
@@ -104,15 +142,19 @@ def torch_paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The pure-torch fallback of :func:`paged_decode_attention` (same contract, any device).
 
     Per sequence: one ``index_select`` of its blocks from each cache, then one
     ``scaled_dot_product_attention`` with the query heads of a kv head as its query rows (no GQA
-    expansion of K/V). Measured against one padded, masked batch for all sequences: that gathers
-    tens of MB per call into fresh buffers, and their page faults alone cost more than this loop.
+    expansion of K/V), the gathered rows widened (and scaled, for int8) to the query's dtype.
+    Measured against one padded, masked batch for all sequences: that gathers tens of MB per call
+    into fresh buffers, and their page faults alone cost more than this loop.
     """
     _check_inputs(query, key_cache, value_cache, block_tables, context_lens)
+    _check_scales(key_cache, key_scales, value_scales)
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     _check_tables(block_tables, context_lens, block_size, num_blocks)
@@ -121,8 +163,8 @@ def torch_paged_decode_attention(
     out = torch.empty_like(query)
     for seq, context_len in enumerate(context_lens.tolist()):
         blocks = tables[seq, : -(-context_len // block_size)]
-        keys = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
-        values = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+        keys = _gather_rows(key_cache, key_scales, blocks, context_len, query.dtype)
+        values = _gather_rows(value_cache, value_scales, blocks, context_len, query.dtype)
         out[seq] = F.scaled_dot_product_attention(
             query[seq].reshape(1, num_kv_heads, group, head_dim),
             keys.transpose(0, 1).unsqueeze(0),
@@ -130,6 +172,28 @@ def torch_paged_decode_attention(
             scale=scale,
         ).view(num_heads, head_dim)
     return out
+
+
+def _gather_rows(
+    cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[num_tokens, num_kv_heads, head_dim]`` rows of ``blocks`` in ``dtype`` (int8 rows times their scale)."""
+    rows = cache.index_select(0, blocks).flatten(0, 1)[:num_tokens]
+    if scales is None:
+        return rows.to(dtype)
+    return (rows.to(torch.float32) * scales.index_select(0, blocks).flatten(0, 1)[:num_tokens, :, None]).to(dtype)
+
+
+def _check_scales(key_cache: torch.Tensor, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> None:
+    """The kernel's rule: an int8 cache comes with both float32 scale tensors of its first three dims."""
+    is_quantized = key_cache.dtype == torch.int8
+    if (key_scales is not None) != is_quantized or (value_scales is not None) != is_quantized:
+        raise ValueError(
+            "an int8 cache needs key_scales and value_scales" if is_quantized else "key_scales and value_scales go with an int8 cache only"
+        )
+    for scales in (key_scales, value_scales):
+        if scales is not None and (scales.dtype != torch.float32 or scales.shape != key_cache.shape[:3]):
+            raise ValueError(f"scales must be float32 of shape {list(key_cache.shape[:3])}, got {scales.dtype} {list(scales.shape)}")
 
 
 def _check_inputs(
@@ -150,10 +214,11 @@ def _check_inputs(
         raise ValueError(
             f"value_cache shape {list(value_cache.shape)} differs from key_cache shape {list(key_cache.shape)}"
         )
-    if not query.is_floating_point() or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+    cache_ok = key_cache.dtype in (query.dtype, torch.int8) or (query.dtype, key_cache.dtype) == (torch.float32, torch.bfloat16)
+    if not query.is_floating_point() or not cache_ok or value_cache.dtype != key_cache.dtype:
         raise TypeError(
-            "query must be floating point and key_cache and value_cache dtypes must match it, "
-            f"got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}"
+            "query must be floating point and key_cache and value_cache dtypes must match it (or be "
+            f"int8, or bfloat16 under a float32 query), got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}"
         )
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise TypeError(
@@ -239,21 +304,30 @@ class KernelLoader:
         return None
 
 
-def build_directory(source_path: Path = SOURCE_PATH, flags: list[str] = CFLAGS + LDFLAGS) -> Path:
+def build_directory(
+    source_path: Path = SOURCE_PATH, flags: list[str] = CFLAGS + LDFLAGS, header_paths: tuple[Path, ...] = HEADER_PATHS
+) -> Path:
     """``$SLUICE_CACHE_DIR/torch_extensions/<python>_<torch>_<machine>_<source hash>`` (cache dir
-    default ``~/.cache/sluice``). The hash covers the kernel's source and flags, so every checkout
-    of the same kernel shares one build, wherever it lies."""
+    default ``~/.cache/sluice``). The hash covers the kernel's source, its headers and flags, so
+    every checkout of the same kernel shares one build, wherever it lies."""
     root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sluice")
-    digest = hashlib.sha256(source_path.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    sources = b"".join(path.read_bytes() for path in (source_path, *header_paths))
+    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:12]
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{platform.machine()}_{digest}"
     return root / "torch_extensions" / tag
 
 
 def build_extension(
-    name: str = EXTENSION_NAME, source_path: Path = SOURCE_PATH, cflags: list[str] = CFLAGS, ldflags: list[str] = LDFLAGS
+    name: str = EXTENSION_NAME,
+    source_path: Path = SOURCE_PATH,
+    cflags: list[str] = CFLAGS,
+    ldflags: list[str] = LDFLAGS,
+    header_paths: tuple[Path, ...] = HEADER_PATHS,
+    choose_isa: bool = True,
 ) -> ModuleType:
-    """Compile (or reuse the cached build of) a kernel (this module's by default) and import it;
-    raises on any failure.
+    """Compile (or reuse the cached build of) a kernel (this module's by default: its source and
+    ``header_paths``) and import it; raises on any failure. With ``choose_isa``, the module's
+    ``select_isa`` is called with ``$SLUICE_KERNEL_ISA`` (the paged-attention kernel's levels).
 
     Logs ``kernel_build_started`` and ``kernel_build_finished`` with ``duration_s`` and
     ``cached`` (the binary was already built: only loaded), the first build on a machine takes
@@ -264,7 +338,7 @@ def build_extension(
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    directory = build_directory(source_path, cflags + ldflags)
+    directory = build_directory(source_path, cflags + ldflags, header_paths)
     directory.mkdir(parents=True, exist_ok=True)
     binary = directory / f"{name}.so"
     source = directory / source_path.name
@@ -277,8 +351,10 @@ def build_extension(
         (directory / _TORCH_LOCK_NAME).unlink(missing_ok=True)
         # torch's build file names its sources by absolute path: build from a copy inside the
         # directory, so a checkout elsewhere finds the same build file and reuses the binary.
-        if not source.exists() or source.read_bytes() != source_path.read_bytes():
-            shutil.copyfile(source_path, source)
+        for path in (source_path, *header_paths):
+            copy = directory / path.name
+            if not copy.exists() or copy.read_bytes() != path.read_bytes():
+                shutil.copyfile(path, copy)
         with _torch_build_logs_quiet():
             module: Any = load(
                 name=name,
@@ -289,7 +365,8 @@ def build_extension(
                 verbose=False,
             )
     is_cached = built_before is not None and binary.stat().st_mtime_ns == built_before
-    log.info("kernel_build_finished", kernel=name, cached=is_cached, duration_s=round(time.perf_counter() - started, 3))
+    isa = module.select_isa(os.environ.get(ISA_ENV, "")) if choose_isa else None
+    log.info("kernel_build_finished", kernel=name, cached=is_cached, isa=isa, duration_s=round(time.perf_counter() - started, 3))
     return module
 
 

@@ -40,7 +40,9 @@ class Isa(enum.IntEnum):
     AVX512 = 2
 
 
-_LOADER = KernelLoader(partial(build_extension, EXTENSION_NAME, SOURCE_PATH, CFLAGS, LDFLAGS), name=EXTENSION_NAME)
+_LOADER = KernelLoader(
+    partial(build_extension, EXTENSION_NAME, SOURCE_PATH, CFLAGS, LDFLAGS, header_paths=(), choose_isa=False), name=EXTENSION_NAME
+)
 
 
 def kernel() -> ModuleType | None:

@@ -1,5 +1,10 @@
 // Decode-time paged attention on CPU: one query token per sequence over its block-table KV.
 //
+// The cache holds float32, bfloat16 or int8 K/V (the query float32 or bfloat16). An int8 cache
+// comes with a float32 scale per token and kv head (symmetric absmax, x ~= scale * q, written by
+// models/kv_cache.py). Other than float32 caches are widened a block at a time into an L1 buffer of
+// floats, int8 rows times their scales (each element converted once, not once per query head).
+//
 // Built lazily by models/paged_attention.py through torch.utils.cpp_extension.load. Threads split
 // the (sequence, kv head) pairs into contiguous ranges holding about equal numbers of tokens; a
 // thread handles the kv heads it holds of a sequence together, so each K and V row is read from
@@ -8,9 +13,10 @@
 // is divided by the sum at the end.
 //
 // Portability: the build cache may be shared by machines with different x86 CPUs, so the compile
-// flags stay at the x86-64 baseline and the hot loops are cloned per ISA level with GCC's
-// target_clones (x86-64-v4 = AVX-512, v3 = AVX2+FMA, default = SSE2); the loader picks a clone
-// from the running CPU's features. Other compilers and CPUs get the baseline build.
+// flags stay at the x86-64 baseline and the hot loops are compiled three times with GCC's target
+// attribute (x86-64-v4 = AVX-512, v3 = AVX2+FMA, baseline = SSE2). The best level the running CPU
+// supports is picked at load; select_isa() picks a lower one (SLUICE_KERNEL_ISA=avx2 forces the
+// AVX2 path on an AVX-512 machine, for tests). Other compilers and CPUs get the baseline only.
 
 #include <torch/extension.h>
 
@@ -20,165 +26,48 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#include "paged_attention_checks.h"
+#include "vec16.h"
 
 namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define SLUICE_CLONED __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
-#else
-#define SLUICE_CLONED __attribute__((flatten))
+#define SLUICE_X86_LEVELS 1
+#define SLUICE_AVX512 __attribute__((target("arch=x86-64-v4"), flatten))
+#define SLUICE_AVX2 __attribute__((target("arch=x86-64-v3"), flatten))
 #endif
 
-inline float to_float(float x) { return x; }
+using namespace sluice_checks;
+using namespace sluice_vec;
 
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
 
-// Loops over head_dim use 16-float vectors (GCC vector extensions): one AVX-512 register, two
-// AVX2 or four SSE ones, whichever clone runs. A head_dim that is not a multiple of 16 ends in a
-// scalar tail.
-constexpr int64_t kLanes = 16;
-typedef float vec16 __attribute__((vector_size(64)));
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vec16 load16(const c10::BFloat16* p) {
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u16x16 half;
-  std::memcpy(&half, p, sizeof(half));
-  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-  vec16 v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Horizontal sum by halves, in registers.
-inline float reduce_add(vec16 v) {
-  vec8 lo8, hi8;
-  std::memcpy(&lo8, &v, sizeof(lo8));
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof(lo8), sizeof(hi8));
-  const vec8 s8 = lo8 + hi8;
-  vec4 lo4, hi4;
-  std::memcpy(&lo4, &s8, sizeof(lo4));
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof(lo4), sizeof(hi4));
-  const vec4 s4 = lo4 + hi4;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
-  vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};  // independent FMA chains
-  int64_t d = 0;
-  for (; d + 4 * kLanes <= n; d += 4 * kLanes) {
-    a0 += load16(q + d) * load16(k + d);
-    a1 += load16(q + d + kLanes) * load16(k + d + kLanes);
-    a2 += load16(q + d + 2 * kLanes) * load16(k + d + 2 * kLanes);
-    a3 += load16(q + d + 3 * kLanes) * load16(k + d + 3 * kLanes);
-  }
-  for (; d + kLanes <= n; d += kLanes) a0 += load16(q + d) * load16(k + d);
-  float sum = reduce_add((a0 + a1) + (a2 + a3));
-  for (; d < n; ++d) sum += q[d] * to_float(k[d]);
-  return sum;
-}
-
-// out[0..n) += sum over i < count of p[i] * rows[i * row_stride + 0..n). The output stays in
-// registers across the rows, 64 floats (four independent FMA chains) at a time.
-template <typename T>
-inline void weighted_rows_add(float* out, const float* p, const T* rows, int64_t row_stride, int64_t count,
-                              int64_t n) {
-  int64_t d = 0;
-  for (; d + 4 * kLanes <= n; d += 4 * kLanes) {
-    vec16 a0 = load16(out + d), a1 = load16(out + d + kLanes);
-    vec16 a2 = load16(out + d + 2 * kLanes), a3 = load16(out + d + 3 * kLanes);
-    for (int64_t i = 0; i < count; ++i) {
-      const T* row = rows + i * row_stride + d;
-      a0 += p[i] * load16(row);
-      a1 += p[i] * load16(row + kLanes);
-      a2 += p[i] * load16(row + 2 * kLanes);
-      a3 += p[i] * load16(row + 3 * kLanes);
-    }
-    store16(out + d, a0);
-    store16(out + d + kLanes, a1);
-    store16(out + d + 2 * kLanes, a2);
-    store16(out + d + 3 * kLanes, a3);
-  }
-  for (; d + kLanes <= n; d += kLanes) {
-    vec16 acc = load16(out + d);
-    for (int64_t i = 0; i < count; ++i) acc += p[i] * load16(rows + i * row_stride + d);
-    store16(out + d, acc);
-  }
-  for (; d < n; ++d) {
-    for (int64_t i = 0; i < count; ++i) out[d] += p[i] * to_float(rows[i * row_stride + d]);
-  }
-}
-
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial, about 1 ulp),
-// 16 lanes at a time; std::exp would stay scalar.
-inline vec16 exp_nonpositive(vec16 x) {
-  typedef int32_t vec16i __attribute__((vector_size(64)));
-  const vec16 lowest = vec16{} - 87.0f;  // e^-87 is below float precision next to the max term (e^0 = 1)
-  x = x < lowest ? lowest : x;
-  const vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec16 p = vec16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vec16i bits = (__builtin_convertvector(n, vec16i) + 127) << 23;  // 2^n
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// scores[0..n) <- exp(scores - max(scores)); returns their sum. n is a multiple of 16 (padding
-// lanes hold -inf and come out as e^-87, nothing next to the max term's 1).
-inline float exp_and_sum(float* scores, int64_t n) {
-  vec16 lane_max = load16(scores);
-  for (int64_t t = kLanes; t < n; t += kLanes) {
-    const vec16 v = load16(scores + t);
-    lane_max = v > lane_max ? v : lane_max;
-  }
-  float max = lane_max[0];
-  for (int64_t j = 1; j < kLanes; ++j) max = std::max(max, lane_max[j]);
-  vec16 sum = {};
-  for (int64_t t = 0; t < n; t += kLanes) {
-    const vec16 e = exp_nonpositive(load16(scores + t) - max);
-    store16(scores + t, e);
-    sum += e;
-  }
-  return reduce_add(sum);
-}
-
-// Everything the per-sequence work needs, validated by the launcher.
-template <typename T>
+// Everything the per-sequence work needs, validated by the launcher. TQ is the query's and the
+// output's element type, TKV the cache's; scales are [num_blocks, block_size, num_kv_heads]
+// float32 for an int8 cache, null otherwise.
+template <typename TQ, typename TKV>
 struct Problem {
-  const T* query;
-  const T* key_cache;
-  const T* value_cache;
+  const TQ* query;
+  const TKV* key_cache;
+  const TKV* value_cache;
+  const float* key_scales;
+  const float* value_scales;
   const int32_t* block_tables;
   const int32_t* context_lens;
-  T* out;
+  TQ* out;
   int64_t query_seq_stride, query_head_stride, query_dim_stride;
   int64_t max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim;
   float scale;
 };
+
+// Caches other than float32 are widened block by block into a float buffer (int8 rows times
+// their scales) before the dot products and the weighted sums: each element is converted once,
+// not once per query head of its kv head, and the arithmetic runs on L1-resident float rows.
+template <typename TKV>
+constexpr bool kWidened = !std::is_same_v<TKV, float>;
 
 // One thread's share of one sequence: kv heads [kv_begin, kv_end) and their query heads.
 struct Share {
@@ -191,6 +80,7 @@ struct Scratch {
   std::vector<float> scores;    // [heads, score_stride]: scores, then exp(score - max score)
   std::vector<float> acc;       // [heads, head_dim]
   std::vector<float> inv_sums;  // [heads]
+  std::vector<float> block;     // [block_size, kv heads, head_dim]: one block's rows, widened
 };
 
 // A share's context rounded up to whole 16-lane vectors, the row length of Scratch::scores.
@@ -200,22 +90,24 @@ inline int64_t score_stride(int64_t context_len) { return (context_len + kLanes 
 // hardware prefetcher; two blocks ahead into L2 measured best.
 constexpr int64_t kPrefetchBlocks = 2;
 
-// Calls fn(start, count, rows) for every block of the share's sequence: tokens start .. start+count,
-// rows pointing at the first token's K or V for kv_begin (the share's kv heads lie contiguous from
-// there; the next token is num_kv_heads * head_dim further). The prefetch loop stays inline: GCC 12
-// deemed a helper (or lambda) that only prefetches pure and deleted its calls.
-template <typename T, typename Fn>
-inline void for_each_block(const Problem<T>& p, const Share& share, const T* cache, Fn fn) {
+// Calls fn(start, count, rows, scales) for every block of the share's sequence: tokens start ..
+// start+count, rows pointing at the first token's K or V for kv_begin (the share's kv heads lie
+// contiguous from there; the next token is num_kv_heads * head_dim further), scales at its scale
+// for kv_begin (next token num_kv_heads further; null for a float cache). The prefetch loop stays
+// inline: GCC 12 deemed a helper (or lambda) that only prefetches pure and deleted its calls.
+template <typename TQ, typename TKV, typename Fn>
+inline void for_each_block(const Problem<TQ, TKV>& p, const Share& share, const TKV* cache, const float* scales,
+                           Fn fn) {
   const int64_t context_len = p.context_lens[share.seq];
   const int32_t* blocks = p.block_tables + share.seq * p.max_blocks_per_seq;
   const int64_t num_blocks = (context_len + p.block_size - 1) / p.block_size;
   const int64_t row_stride = p.num_kv_heads * p.head_dim;
   const int64_t block_stride = p.block_size * row_stride;
-  const int64_t row_bytes = (share.kv_end - share.kv_begin) * p.head_dim * static_cast<int64_t>(sizeof(T));
-  const T* base = cache + share.kv_begin * p.head_dim;
+  const int64_t row_bytes = (share.kv_end - share.kv_begin) * p.head_dim * static_cast<int64_t>(sizeof(TKV));
+  const TKV* base = cache + share.kv_begin * p.head_dim;
   for (int64_t b = 0; b < num_blocks; ++b) {
     for (int64_t ahead = b == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks && b + ahead < num_blocks; ++ahead) {
-      const T* rows = base + static_cast<int64_t>(blocks[b + ahead]) * block_stride;
+      const TKV* rows = base + static_cast<int64_t>(blocks[b + ahead]) * block_stride;
       const int64_t count = std::min(p.block_size, context_len - (b + ahead) * p.block_size);
       for (int64_t i = 0; i < count; ++i) {
         const char* row = reinterpret_cast<const char*>(rows + i * row_stride);
@@ -223,35 +115,61 @@ inline void for_each_block(const Problem<T>& p, const Share& share, const T* cac
       }
     }
     const int64_t start = b * p.block_size;
-    fn(start, std::min(p.block_size, context_len - start), base + static_cast<int64_t>(blocks[b]) * block_stride);
+    const int64_t block = blocks[b];
+    const float* block_scales = scales == nullptr ? nullptr : scales + block * p.block_size * p.num_kv_heads + share.kv_begin;
+    fn(start, std::min(p.block_size, context_len - start), base + block * block_stride, block_scales);
   }
 }
 
 // q[h] = query[seq, head] * scale in float, for the share's query heads.
-template <typename T>
-inline void load_query(const Problem<T>& p, const Share& share, float* q) {
+template <typename TQ, typename TKV>
+inline void load_query(const Problem<TQ, TKV>& p, const Share& share, float* q) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   for (int64_t h = 0; h < (share.kv_end - share.kv_begin) * group; ++h) {
-    const T* src = p.query + share.seq * p.query_seq_stride + (share.kv_begin * group + h) * p.query_head_stride;
+    const TQ* src = p.query + share.seq * p.query_seq_stride + (share.kv_begin * group + h) * p.query_head_stride;
     for (int64_t d = 0; d < p.head_dim; ++d) q[h * p.head_dim + d] = to_float(src[d * p.query_dim_stride]) * p.scale;
   }
 }
 
+// The share's rows of one block as float: rows of the cache itself for float32 (row_stride
+// num_kv_heads * head_dim); else widened into buffer, int8 rows times their scales (row_stride
+// (kv_end - kv_begin) * head_dim). Row i of kv head kv starts at result + i * row_stride + kv * head_dim.
+template <typename TQ, typename TKV>
+inline const float* float_rows(const Problem<TQ, TKV>& p, const Share& share, const TKV* rows, const float* scales,
+                               int64_t count, float* buffer, int64_t& row_stride) {
+  const int64_t dim = p.head_dim;
+  row_stride = p.num_kv_heads * dim;
+  if constexpr (!kWidened<TKV>) {
+    return rows;
+  } else {
+    const int64_t num_kv = share.kv_end - share.kv_begin;
+    for (int64_t i = 0; i < count; ++i) {
+      for (int64_t kv = 0; kv < num_kv; ++kv) {
+        const TKV* src = rows + i * row_stride + kv * dim;
+        float* dst = buffer + (i * num_kv + kv) * dim;
+        const float row_scale = scales == nullptr ? 1.0f : scales[i * p.num_kv_heads + kv];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]) * row_scale;
+      }
+    }
+    row_stride = num_kv * dim;
+    return buffer;
+  }
+}
+
 // scores[h, t] = q[h] . K[t] for every token; lanes past the context are set to -inf.
-template <typename T>
-inline void score_keys(const Problem<T>& p, const Share& share, const float* q, float* scores) {
+template <typename TQ, typename TKV>
+inline void score_keys(const Problem<TQ, TKV>& p, const Share& share, const float* q, float* scores, float* buffer) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dim = p.head_dim;
-  const int64_t row_stride = p.num_kv_heads * dim;
   const int64_t context_len = p.context_lens[share.seq];
   const int64_t stride = score_stride(context_len);
-  for_each_block(p, share, p.key_cache, [&](int64_t start, int64_t count, const T* rows) {
+  for_each_block(p, share, p.key_cache, p.key_scales, [&](int64_t start, int64_t count, const TKV* rows, const float* scales) {
+    int64_t row_stride;
+    const float* keys = float_rows(p, share, rows, scales, count, buffer, row_stride);
     for (int64_t i = 0; i < count; ++i) {
       for (int64_t kv = 0; kv < share.kv_end - share.kv_begin; ++kv) {
-        const T* k = rows + i * row_stride + kv * dim;
-        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-          scores[h * stride + start + i] = dot(q + h * dim, k, dim);
-        }
+        const float* k = keys + i * row_stride + kv * dim;
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) scores[h * stride + start + i] = dot(q + h * dim, k, dim);
       }
     }
   });
@@ -261,41 +179,43 @@ inline void score_keys(const Problem<T>& p, const Share& share, const float* q, 
 }
 
 // acc[h] = sum over tokens of weights[h, t] * V[t].
-template <typename T>
-inline void accumulate_values(const Problem<T>& p, const Share& share, const float* weights, float* acc) {
+template <typename TQ, typename TKV>
+inline void accumulate_values(const Problem<TQ, TKV>& p, const Share& share, const float* weights, float* acc,
+                              float* buffer) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dim = p.head_dim;
-  const int64_t row_stride = p.num_kv_heads * dim;
   const int64_t stride = score_stride(p.context_lens[share.seq]);
   std::fill(acc, acc + (share.kv_end - share.kv_begin) * group * dim, 0.0f);
-  for_each_block(p, share, p.value_cache, [&](int64_t start, int64_t count, const T* rows) {
+  for_each_block(p, share, p.value_cache, p.value_scales, [&](int64_t start, int64_t count, const TKV* rows, const float* scales) {
+    int64_t row_stride;
+    const float* values = float_rows(p, share, rows, scales, count, buffer, row_stride);
     for (int64_t kv = 0; kv < share.kv_end - share.kv_begin; ++kv) {
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-        weighted_rows_add(acc + h * dim, weights + h * stride + start, rows + kv * dim, row_stride, count, dim);
+        weighted_rows_add(acc + h * dim, weights + h * stride + start, values + kv * dim, row_stride, count, dim);
       }
     }
   });
 }
 
-template <typename T>
-inline void attend_share(const Problem<T>& p, const Share& share, Scratch& s) {
+template <typename TQ, typename TKV>
+inline void attend_share(const Problem<TQ, TKV>& p, const Share& share, Scratch& s) {
   const int64_t num_heads = (share.kv_end - share.kv_begin) * (p.num_heads / p.num_kv_heads);
   const int64_t stride = score_stride(p.context_lens[share.seq]);
   load_query(p, share, s.query.data());
-  score_keys(p, share, s.query.data(), s.scores.data());
+  score_keys(p, share, s.query.data(), s.scores.data(), s.block.data());
   for (int64_t h = 0; h < num_heads; ++h) s.inv_sums[h] = 1.0f / exp_and_sum(s.scores.data() + h * stride, stride);
-  accumulate_values(p, share, s.scores.data(), s.acc.data());
+  accumulate_values(p, share, s.scores.data(), s.acc.data(), s.block.data());
   const int64_t dim = p.head_dim;
-  T* out = p.out + (share.seq * p.num_heads + share.kv_begin * (p.num_heads / p.num_kv_heads)) * dim;
+  TQ* out = p.out + (share.seq * p.num_heads + share.kv_begin * (p.num_heads / p.num_kv_heads)) * dim;
   for (int64_t h = 0; h < num_heads; ++h) {
-    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(s.acc[h * dim + d] * s.inv_sums[h]);
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<TQ>(s.acc[h * dim + d] * s.inv_sums[h]);
   }
 }
 
 // Work items are (seq, kv_head) pairs, numbered seq * num_kv_heads + kv_head; a thread takes a
 // contiguous range of them and handles the kv heads it holds of each sequence together.
-template <typename T>
-inline void run_items(const Problem<T>& p, int64_t begin, int64_t end) {
+template <typename TQ, typename TKV>
+inline void run_items(const Problem<TQ, TKV>& p, int64_t begin, int64_t end) {
   if (begin >= end) return;
   const int64_t kv_heads = p.num_kv_heads;
   const int64_t heads = std::min(end - begin, kv_heads) * (p.num_heads / kv_heads);
@@ -304,24 +224,69 @@ inline void run_items(const Problem<T>& p, int64_t begin, int64_t end) {
     max_stride = std::max(max_stride, score_stride(p.context_lens[seq]));
   }
   Scratch s{std::vector<float>(heads * p.head_dim), std::vector<float>(heads * max_stride),
-            std::vector<float>(heads * p.head_dim), std::vector<float>(heads)};
+            std::vector<float>(heads * p.head_dim), std::vector<float>(heads),
+            std::vector<float>(kWidened<TKV> ? p.block_size * std::min(end - begin, kv_heads) * p.head_dim : 0)};
   for (int64_t seq = begin / kv_heads; seq * kv_heads < end; ++seq) {
     const int64_t first = std::max(begin, seq * kv_heads) - seq * kv_heads;
     attend_share(p, Share{seq, first, std::min(end, (seq + 1) * kv_heads) - seq * kv_heads}, s);
   }
 }
 
-SLUICE_CLONED void run_items_float(const Problem<float>& p, int64_t begin, int64_t end) { run_items(p, begin, end); }
+// The instruction-set levels the hot loops are compiled for, best first.
+enum class Isa { kAvx512, kAvx2, kBaseline };
 
-SLUICE_CLONED void run_items_bfloat16(const Problem<c10::BFloat16>& p, int64_t begin, int64_t end) {
-  run_items(p, begin, end);
+Isa g_isa = Isa::kBaseline;  // set at load by select_isa()
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "baseline";
+  }
 }
 
-inline void run_items_any(const Problem<float>& p, int64_t begin, int64_t end) { run_items_float(p, begin, end); }
-
-inline void run_items_any(const Problem<c10::BFloat16>& p, int64_t begin, int64_t end) {
-  run_items_bfloat16(p, begin, end);
+bool isa_supported(Isa isa) {
+#ifdef SLUICE_X86_LEVELS
+  if (isa == Isa::kAvx512) return __builtin_cpu_supports("x86-64-v4");
+  if (isa == Isa::kAvx2) return __builtin_cpu_supports("x86-64-v3");
+#else
+  if (isa != Isa::kBaseline) return false;
+#endif
+  return true;
 }
+
+// run_items of one (query, cache) type pair, once per ISA level, and the call of the selected one.
+#ifdef SLUICE_X86_LEVELS
+#define SLUICE_DEFINE_RUN(NAME, TQ, TKV)                                                                      \
+  SLUICE_AVX512 void NAME##_avx512(const Problem<TQ, TKV>& p, int64_t b, int64_t e) { run_items(p, b, e); } \
+  SLUICE_AVX2 void NAME##_avx2(const Problem<TQ, TKV>& p, int64_t b, int64_t e) { run_items(p, b, e); }     \
+  __attribute__((flatten)) void NAME##_baseline(const Problem<TQ, TKV>& p, int64_t b, int64_t e) {           \
+    run_items(p, b, e);                                                                                        \
+  }                                                                                                            \
+  void run_selected(const Problem<TQ, TKV>& p, int64_t b, int64_t e) {                                        \
+    if (g_isa == Isa::kAvx512) {                                                                               \
+      NAME##_avx512(p, b, e);                                                                                  \
+    } else if (g_isa == Isa::kAvx2) {                                                                          \
+      NAME##_avx2(p, b, e);                                                                                    \
+    } else {                                                                                                   \
+      NAME##_baseline(p, b, e);                                                                                \
+    }                                                                                                          \
+  }
+#else
+#define SLUICE_DEFINE_RUN(NAME, TQ, TKV)                                                                      \
+  __attribute__((flatten)) void run_selected(const Problem<TQ, TKV>& p, int64_t b, int64_t e) {              \
+    run_items(p, b, e);                                                                                        \
+  }
+#endif
+
+SLUICE_DEFINE_RUN(run_float_float, float, float)
+SLUICE_DEFINE_RUN(run_float_bfloat16, float, c10::BFloat16)
+SLUICE_DEFINE_RUN(run_float_int8, float, int8_t)
+SLUICE_DEFINE_RUN(run_bfloat16_bfloat16, c10::BFloat16, c10::BFloat16)
+SLUICE_DEFINE_RUN(run_bfloat16_int8, c10::BFloat16, int8_t)
 
 // Item boundaries that give each thread about the same number of tokens to read (contexts
 // differ by an order of magnitude, so equal item counts would leave threads idle).
@@ -340,70 +305,24 @@ std::vector<int64_t> balanced_splits(const int32_t* context_lens, int64_t num_se
   return splits;
 }
 
-void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens) {
-  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got shape ", query.sizes());
-  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], ",
-                    "got shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-                    " differs from key_cache shape ", key_cache.sizes());
-  TORCH_CHECK_TYPE(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
-                   "query dtype must be float32 or bfloat16, got ", query.scalar_type());
-  TORCH_CHECK_TYPE(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
-                   "key_cache and value_cache dtypes must match query (", query.scalar_type(), "), got ",
-                   key_cache.scalar_type(), " and ", value_cache.scalar_type());
-  TORCH_CHECK_TYPE(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-                   "block_tables and context_lens must be int32, got ", block_tables.scalar_type(), " and ",
-                   context_lens.scalar_type());
-  for (const at::Tensor* t : {&query, &key_cache, &value_cache, &block_tables, &context_lens}) {
-    TORCH_CHECK_VALUE(t->device().is_cpu(), "paged attention kernel runs on CPU tensors, got ", t->device());
-  }
-  TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous(),
-                    "key_cache and value_cache must be contiguous");
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK_VALUE(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2),
-                    " differs from the cache's head_dim ", key_cache.size(3));
-  TORCH_CHECK_VALUE(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, "num_heads ", query.size(1),
-                    " is not a multiple of num_kv_heads ", num_kv_heads);
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-                    "block_tables must be [num_seqs=", num_seqs, ", max_blocks_per_seq], got shape ",
-                    block_tables.sizes());
-  TORCH_CHECK_VALUE(context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
-                    "context_lens must be [num_seqs=", num_seqs, "], got shape ", context_lens.sizes());
-}
 
-// Reads the int32 tables once: a bad entry would otherwise read outside the cache.
-void check_tables(const int32_t* block_tables, const int32_t* context_lens, int64_t num_seqs,
-                  int64_t max_blocks_per_seq, int64_t block_size, int64_t num_blocks) {
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t context_len = context_lens[seq];
-    TORCH_CHECK_VALUE(context_len >= 1 && context_len <= max_blocks_per_seq * block_size, "context_lens[", seq,
-                      "] = ", context_len, " is outside [1, max_blocks_per_seq * block_size = ",
-                      max_blocks_per_seq * block_size, "]");
-    const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-    for (int64_t b = 0; b < used_blocks; ++b) {
-      const int64_t block = block_tables[seq * max_blocks_per_seq + b];
-      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", seq, ", ", b, "] = ", block,
-                        " is outside [0, num_blocks = ", num_blocks, ")");
-    }
-  }
-}
-
-template <typename T>
+template <typename TQ, typename TKV>
 void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
-  const Problem<T> p{query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
-                     block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<T>(),
-                     query.stride(0), query.stride(1), query.stride(2),
-                     block_tables.size(1), key_cache.size(1), query.size(1), key_cache.size(2), query.size(2),
-                     static_cast<float>(scale)};
+  const Problem<TQ, TKV> p{query.data_ptr<TQ>(), key_cache.data_ptr<TKV>(), value_cache.data_ptr<TKV>(),
+                           key_scales ? key_scales->data_ptr<float>() : nullptr,
+                           value_scales ? value_scales->data_ptr<float>() : nullptr,
+                           block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<TQ>(),
+                           query.stride(0), query.stride(1), query.stride(2),
+                           block_tables.size(1), key_cache.size(1), query.size(1), key_cache.size(2), query.size(2),
+                           static_cast<float>(scale)};
   const int64_t num_seqs = query.size(0);
   const int64_t num_items = num_seqs * p.num_kv_heads;
   const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   const std::vector<int64_t> splits = balanced_splits(p.context_lens, num_seqs, p.num_kv_heads, num_parts);
   at::parallel_for(0, num_parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t part = begin; part < end; ++part) run_items_any(p, splits[part], splits[part + 1]);
+    for (int64_t part = begin; part < end; ++part) run_selected(p, splits[part], splits[part + 1]);
   });
 }
 
@@ -411,28 +330,80 @@ void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables_in,
-                                  const at::Tensor& context_lens_in, double scale) {
+                                  const at::Tensor& context_lens_in, double scale,
+                                  const c10::optional<at::Tensor>& key_scales,
+                                  const c10::optional<at::Tensor>& value_scales) {
   check_inputs(query, key_cache, value_cache, block_tables_in, context_lens_in);
+  check_scales(key_cache, key_scales, value_scales);
   const at::Tensor block_tables = block_tables_in.contiguous();
   const at::Tensor context_lens = context_lens_in.contiguous();
   check_tables(block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), query.size(0),
                block_tables.size(1), key_cache.size(1), key_cache.size(0));
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.numel() == 0) return out;
-  if (query.scalar_type() == at::kFloat) {
-    launch<float>(query, key_cache, value_cache, block_tables, context_lens, scale, out);
-  } else {
-    launch<c10::BFloat16>(query, key_cache, value_cache, block_tables, context_lens, scale, out);
+  const bool float_query = query.scalar_type() == at::kFloat;
+  const at::Tensor& k = key_cache;
+  const at::Tensor& v = value_cache;
+  switch (key_cache.scalar_type()) {
+    case at::kFloat:
+      launch<float, float>(query, k, v, key_scales, value_scales, block_tables, context_lens, scale, out);
+      break;
+    case at::kBFloat16:
+      if (float_query) {
+        launch<float, c10::BFloat16>(query, k, v, key_scales, value_scales, block_tables, context_lens, scale, out);
+      } else {
+        launch<c10::BFloat16, c10::BFloat16>(query, k, v, key_scales, value_scales, block_tables, context_lens, scale,
+                                             out);
+      }
+      break;
+    default:  // int8, checked above
+      if (float_query) {
+        launch<float, int8_t>(query, k, v, key_scales, value_scales, block_tables, context_lens, scale, out);
+      } else {
+        launch<c10::BFloat16, int8_t>(query, k, v, key_scales, value_scales, block_tables, context_lens, scale, out);
+      }
   }
   return out;
+}
+
+// Selects the ISA level the hot loops run at: "avx512", "avx2", "baseline", or "" for the best the
+// CPU supports; returns the one selected. Raises ValueError for an unknown name or a level the CPU
+// lacks.
+std::string select_isa(const std::string& name) {
+  Isa isa = Isa::kBaseline;
+  if (name.empty()) {
+    for (Isa level : {Isa::kAvx512, Isa::kAvx2}) {
+      if (isa_supported(level)) {
+        isa = level;
+        break;
+      }
+    }
+  } else {
+    bool known = false;
+    for (Isa level : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
+      if (name == isa_name(level)) {
+        isa = level;
+        known = true;
+      }
+    }
+    TORCH_CHECK_VALUE(known, "unknown ISA level '", name, "': expected avx512, avx2 or baseline");
+    TORCH_CHECK_VALUE(isa_supported(isa), "this CPU (or build) has no ", name, " path");
+  }
+  g_isa = isa;
+  return isa_name(isa);
 }
 
 // The GIL is released while the kernel runs, as torch's own ops do: it takes milliseconds per
 // layer, and the server's event loop shares the process.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention of one query per sequence over a block-table KV cache (CPU, float32/bfloat16).",
+        "Decode attention of one query per sequence over a block-table KV cache (CPU; float32/bfloat16 query, "
+        "float32/bfloat16/int8 cache).",
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"),
+        pybind11::arg("key_scales") = pybind11::none(), pybind11::arg("value_scales") = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("select_isa", &select_isa, "Select the ISA level of the hot loops; returns the one selected.",
+        pybind11::arg("name"));
+  m.def("isa", [] { return std::string(isa_name(g_isa)); }, "The ISA level the hot loops run at.");
 }

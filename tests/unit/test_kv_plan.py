@@ -255,6 +255,17 @@ def test_cli_dtype_defaults_and_override(tmp_path: Path, capsys: pytest.CaptureF
     assert rows["100,000 sequences"].endswith("does not fit")
 
 
+def test_cli_int8_counts_the_scales_and_fits_over_3_5x_the_float32_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = write_llama_folder(tmp_path / "llama", dtype=None)
+    code, rows, _ = run_cli(capsys, "--model", str(folder), "--dtype", "int8")
+    # 2 * 28 layers * 8 kv heads * (128 int8 + a 4-byte float32 scale) = 59,136 bytes.
+    assert code == 0 and rows["dtype"] == "int8 (1 byte, and a 4-byte scale per row of head_dim)"
+    assert rows["bytes per token"].endswith("(59,136 bytes)")
+    int8_tokens = int(rows["max tokens in flight"].replace(",", ""))
+    _, rows, _ = run_cli(capsys, "--model", str(folder), "--dtype", "float32")
+    assert int8_tokens >= 3.5 * int(rows["max tokens in flight"].replace(",", ""))
+
+
 def test_cli_block_rounding(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = write_llama_folder(tmp_path / "llama")
     args = ["--memory", "1.75GiB", "--seq-len", "1000", "--block-size", "32"]
@@ -273,7 +284,7 @@ def test_cli_block_rounding(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["--memory", "8G"], "argument --memory: invalid memory size '8G'"),
         (["--seq-len", "0"], "argument --seq-len: expected a whole number of at least 1, got '0'"),
         (["--block-size", "x"], "argument --block-size: expected a whole number of at least 1, got 'x'"),
-        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
     ],
 )
 def test_cli_bad_options_exit_2_naming_option_and_value(

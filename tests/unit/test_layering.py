@@ -50,12 +50,15 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
 # talk HTTP, and read only the tuner's policy. The HTTP app, routes, admin, the slices, the
 # scheduler and block manager, and the model backends' internals are not part of it. The gate
 # benchmark (bench/gate_load.py) starts the gateway's command with a gate run the way it ran
-# before its child process: it uses the gate's API (what ``sluice gate`` runs) and its seam.
+# before its child process: it uses the gate's API (what ``sluice gate`` runs) and its seam. The
+# KV dtype benchmark (bench/kv_dtype.py) calls the paged-attention kernel and the KV pool's
+# quantizer directly, and the KV accuracy measure the gate uses.
 ENGINE_PUBLIC_API = frozenset({
     "gateway.engine", "gateway.config", "gateway.build", "gateway.memory",
     "gateway.cli", "gateway.gate", "gateway.gate_process",
     "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io", "models.logprobs",
     "models.structured", "models.structured_sampling", "models.step_split",
+    "models.paged_attention", "models.kv_cache", "models.kv_accuracy",
     "buckets.continuous", "buckets.dynamic", "buckets.request", "buckets.settings", "buckets.stats",
     "policies.tuning",
 })

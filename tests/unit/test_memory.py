@@ -111,6 +111,19 @@ def test_a_bucket_has_the_same_kv_capacity_on_a_thread_and_a_process_slice(monke
     assert on_process.backend_info == {"configured": bucket_config.backend, "isolation": "process"}
 
 
+@pytest.mark.parametrize("kv_cache_dtype, num_blocks", [("bfloat16", 64), ("int8", 85)])
+def test_a_buckets_kv_cache_dtype_sets_its_blocks_scales_included(
+    monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str, num_blocks: int
+) -> None:
+    config = config_with([{"name": "s", "kv_cache_memory_bytes": 64 * 1024}], [continuous(16) | {"kv_cache_dtype": kv_cache_dtype}])
+    builder = BucketBuilder(cache_dir=Path("/nonexistent"), gate=GateConfig(), kv_memory_bytes=memory.split_kv_memory(config, {"s": 64 * 1024}))
+    built: list[int] = []
+    monkeypatch.setattr(BucketBuilder, "_continuous", lambda self, *args: built.append(args[3]) or SimpleNamespace())
+    bucket = builder.bucket(config.models[0], light_model(), config.models[0].buckets[0], ThreadSlice("s", "cpu", 1))
+    # A token: 2 * 2 layers * 1 kv head * 8 * 2 = 64 bytes in bfloat16; 2 * 2 * 1 * (8 + 4) = 48 in int8.
+    assert built == [num_blocks] and bucket.kv_capacity_tokens == num_blocks * 16
+
+
 def test_pools_still_draining_count_against_a_slices_memory_budget() -> None:
     config = config_with(
         [{"name": "s", "device": "cpu", "num_threads": 1, "kv_cache_memory_bytes": GiB, "memory_budget_bytes": 3 * GiB}],

@@ -1,14 +1,14 @@
-"""models.paged_attention: the C++ kernel and the torch fallback against a per-sequence reference,
-input validation, and the lazy build's fallback and warning."""
+"""models.paged_attention: the C++ kernel and the torch fallback against a per-sequence reference
+(every cache dtype, both ISA paths), input validation, and the lazy build's fallback and warning."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import structlog
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from models import paged_attention as pa
+from models.kv_cache import quantize_rows
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
@@ -35,9 +36,22 @@ class Problem:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     scale: float = HEAD_DIM**-0.5
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
 
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        return self.query, self.key_cache, self.value_cache, self.block_tables, self.context_lens, self.scale
+    def args(self) -> tuple[object, ...]:
+        return (
+            self.query, self.key_cache, self.value_cache, self.block_tables, self.context_lens, self.scale,
+            self.key_scales, self.value_scales,
+        )
+
+    def dequantized(self) -> "Problem":
+        """The same problem over float64 K/V: an int8 cache's rows times their scales."""
+        def widen(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+            return cache.double() if scales is None else cache.double() * scales.double().unsqueeze(-1)
+
+        key, value = widen(self.key_cache, self.key_scales), widen(self.value_cache, self.value_scales)
+        return Problem(self.query, key, value, self.block_tables, self.context_lens, self.scale)
 
 
 def make_problem(
@@ -65,6 +79,7 @@ def make_problem(
 
 def reference(problem: Problem) -> torch.Tensor:
     """Per sequence: its tokens gathered one by one, then SDPA with GQA, in float64."""
+    problem = problem.dequantized()
     outputs = []
     for seq, context_len in enumerate(problem.context_lens.tolist()):
         slots = [(int(problem.block_tables[seq, t // BLOCK_SIZE]), t % BLOCK_SIZE) for t in range(context_len)]
@@ -161,6 +176,89 @@ def test_empty_batch(attention: Attention) -> None:
         problem.context_lens[:0],
     )
     assert attention(*problem.args()).shape == (0, 9, HEAD_DIM)
+
+
+def with_cache_dtype(problem: Problem, dtype: torch.dtype) -> Problem:
+    """The problem's K/V stored in ``dtype`` (int8: quantized as the KV pool writes them)."""
+    if dtype != torch.int8:
+        return Problem(problem.query, problem.key_cache.to(dtype), problem.value_cache.to(dtype), problem.block_tables, problem.context_lens)
+    (key, key_scales), (value, value_scales) = quantize_rows(problem.key_cache), quantize_rows(problem.value_cache)
+    return Problem(problem.query, key, value, problem.block_tables, problem.context_lens, problem.scale, key_scales, value_scales)
+
+
+@pytest.fixture(params=["best", "avx2"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernel's ISA path: the best the CPU has, or AVX2 (what ``SLUICE_KERNEL_ISA=avx2``
+    selects at load; a second load in one process would rebuild under a new name)."""
+    if not pa.compiled_kernel_available():
+        pytest.skip(f"C++ kernel unavailable: {pa.kernel_unavailable_reason()}")
+    if request.param == "avx2":
+        if pa.kernel_isa() not in ("avx512", "avx2"):
+            pytest.skip("this CPU has no AVX2 path")
+        assert pa.select_isa("avx2") == "avx2" == pa.kernel_isa()
+    try:
+        yield str(pa.kernel_isa())
+    finally:
+        pa.select_isa("")
+
+
+def test_the_isa_switch_is_read_at_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    selected: list[str] = []
+    fake = SimpleNamespace(select_isa=lambda name: selected.append(name) or name or "avx512")
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: fake)
+    monkeypatch.setenv(pa.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(pa.ISA_ENV, "avx2")
+    assert pa.build_extension() is fake
+    monkeypatch.delenv(pa.ISA_ENV)
+    pa.build_extension()
+    assert selected == ["avx2", ""]
+
+
+def test_an_unknown_or_missing_isa_is_refused() -> None:
+    if not pa.compiled_kernel_available():
+        pytest.skip(f"C++ kernel unavailable: {pa.kernel_unavailable_reason()}")
+    with pytest.raises(ValueError, match="unknown ISA level 'sse9'"):
+        pa.select_isa("sse9")
+    assert pa.select_isa("baseline") == "baseline"
+    pa.select_isa("")
+
+
+CACHE_DTYPE_CASES = [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.int8),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("query_dtype, cache_dtype", CACHE_DTYPE_CASES, ids=lambda d: str(d).removeprefix("torch."))
+def test_each_cache_dtype_matches_the_reference_on_each_isa_path(
+    isa: str, query_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    problem = with_cache_dtype(make_problem(EDGE_LENS, dtype=query_dtype), cache_dtype)
+    torch.testing.assert_close(  # the same result on the torch fallback and on the kernel's ISA path
+        pa.torch_paged_decode_attention(*problem.args()).double(), reference(problem), atol=1e-5 if query_dtype == torch.float32 else 2e-2, rtol=0
+    )
+    out = pa.paged_decode_attention(*problem.args())  # type: ignore[arg-type]
+    assert out.dtype == query_dtype and out.shape == problem.query.shape
+    torch.testing.assert_close(out.double(), reference(problem), atol=1e-5 if query_dtype == torch.float32 else 2e-2, rtol=0)
+
+
+def test_an_int8_cache_stays_close_to_its_float_values() -> None:
+    problem = make_problem(EDGE_LENS)
+    quantized = with_cache_dtype(problem, torch.int8)
+    error = (pa.torch_paged_decode_attention(*quantized.args()) - reference(problem)).abs().max()
+    assert 0 < float(error) < 0.02  # lossy, by about half a step of 1/127 of each row's max
+
+
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_scales_go_with_an_int8_cache_only(implementation: str) -> None:
+    attention = IMPLEMENTATIONS[implementation]
+    quantized = with_cache_dtype(make_problem([20, 30]), torch.int8)
+    with pytest.raises(ValueError, match="needs key_scales"):
+        attention(*quantized.args()[:6])
+    float_problem = make_problem([20, 30])
+    float_problem.key_scales, float_problem.value_scales = quantized.key_scales, quantized.value_scales
+    with pytest.raises(ValueError, match="int8 cache only"):
+        attention(*float_problem.args())
 
 
 def _bad(field: str, corrupt: Callable[[Problem], torch.Tensor]) -> Callable[[Problem], None]:
