@@ -30,7 +30,7 @@ class RayResourcesConfig(_Strict):
     # Custom Ray resources each actor reserves ({"node1": 0.1} pins it to nodes that have "node1").
     custom: dict[str, Annotated[float, Field(gt=0)]] = {}
     # The Ray node (hex id, as `ray status -v` or ray.nodes() shows it) every replica runs on.
-    node_id: str | None = Field(default=None, pattern=r"^[0-9a-f]+$")
+    node_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{56}$")
 
 
 class SliceConfig(_Strict):

@@ -197,14 +197,16 @@ class RaySlice:
         """Start every replica's actor, side by side, and wait until each is ready.
 
         Raises:
-            RuntimeError: an actor could not start (the others are stopped).
+            RuntimeError: an actor could not start (it is ``FAILED``, the others are stopped).
         """
         with concurrent.futures.ThreadPoolExecutor(len(self.replicas), thread_name_prefix=f"slice-{self.name}-start") as pool:
             futures = [pool.submit(replica.start) for replica in self.replicas]
-        errors = [future.exception() for future in futures if future.exception() is not None]
+        errors = {replica: future.exception() for replica, future in zip(self.replicas, futures) if future.exception()}
         if errors:
             self.stop()
-            raise RuntimeError("; ".join(str(error) for error in errors))
+            for replica in errors:
+                replica.state = SliceState.FAILED
+            raise RuntimeError("; ".join(str(error) for error in errors.values()))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         for replica in self.replicas:

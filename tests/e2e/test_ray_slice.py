@@ -27,7 +27,12 @@ import psutil
 import pytest
 import yaml
 
+from buckets.settings import DynamicBatcherSettings
 from buckets.slices.ray_actor import LOOPBACK_ONLY_ENV
+from buckets.slices.ray_slice import RaySlice
+from buckets.slices.slice import SliceState
+from gateway.config import parse_config
+from gateway.slice_worker import run_slice_worker
 from tests.e2e.conftest import EMBED_MODEL, GENERATE_MODEL, run_server, wait_for
 
 from tests.e2e.test_process_slices import (
@@ -40,6 +45,7 @@ from tests.e2e.test_process_slices import (
     _long_request,
     _streamed_text,
 )
+from tests.unit.test_process_slice import remote_spec
 
 CRASH_REPORTED_S = 5.0  # the issue's bound: requests on a dead actor end within this
 NODE_ARGS = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 * 1024**2}
@@ -48,10 +54,10 @@ NODE_ARGS = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     """A two-node local Ray cluster on the loopback (a third node is added by the node-loss test)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(LOOPBACK_ONLY_ENV, "0")  # Ray keeps 127.0.0.1 instead of the host's address (read at import)
     from ray.cluster_utils import Cluster
 
-    patch = pytest.MonkeyPatch()
-    patch.setenv(LOOPBACK_ONLY_ENV, "0")  # Ray keeps 127.0.0.1 instead of the host's address
     started = time.monotonic()
     local = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
     local.add_node(**NODE_ARGS)
@@ -253,9 +259,26 @@ def _lose_a_replica_under_load(url: str, victim: str, lose: Any) -> tuple[int, i
     return asyncio.run(run())
 
 
-def test_killing_a_replica_fails_only_its_requests_and_it_comes_back(server: tuple[str, Path]) -> None:
+def _embed_unavailable(url: str) -> httpx.Response | None:
+    """The 503 ``slice_unavailable`` of an embedding request, or ``None`` while it is not one
+    (a ``worker_crashed`` 503 was sent before the actor's death was seen)."""
+    response = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": "x"}, timeout=30)
+    code = response.json()["error"]["code"] if response.status_code != 200 else None
+    assert response.status_code in (200, 503) and code in (None, "worker_crashed", "slice_unavailable"), response.text
+    return response if code == "slice_unavailable" else None
+
+
+def test_killing_actors_fails_only_their_requests_and_they_come_back(server: tuple[str, Path]) -> None:
+    """SIGKILL the embedding slice's only actor (503 slice_unavailable with Retry-After until it
+    is back), then one of the chat slice's two under load (only its requests fail; the other
+    replica serves meanwhile); both are re-created side by side."""
     url, log_path = server
+    embed_pid = _all_ready(url, "ray-one")["replicas"][0]["worker_pid"]
     victim = _all_ready(url)["replicas"][0]
+    os.kill(embed_pid, signal.SIGKILL)
+    unavailable = wait_for(lambda: _embed_unavailable(url), CRASH_REPORTED_S, "a 503 slice_unavailable")
+    assert unavailable.headers["Retry-After"]
+
     kill = lambda: os.kill(victim["worker_pid"], signal.SIGKILL)  # noqa: E731
     on_victim, crashed, took_s, during = _lose_a_replica_under_load(url, victim["name"], kill)
     print(f"the {crashed} requests on the killed actor ended {took_s:.2f} s after the kill")
@@ -265,26 +288,11 @@ def test_killing_a_replica_fails_only_its_requests_and_it_comes_back(server: tup
     assert back["worker_pid"] != victim["worker_pid"] and back["num_restarts"] == victim["num_restarts"] + 1
     response = httpx.post(f"{url}/v1/completions", json={**LONG_BODY, "max_tokens": 4}, timeout=CLIENT_TIMEOUT_S)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert _all_ready(url, "ray-one")["replicas"][0]["worker_pid"] != embed_pid
+    back_embed = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": "back"}, timeout=CLIENT_TIMEOUT_S)
+    assert back_embed.status_code == 200
     events = [json.loads(line).get("event") for line in log_path.read_text().splitlines() if line.startswith("{")]
-    assert "worker_crashed" in events and "worker_restarted" in events
-
-
-def test_a_slice_of_one_replica_is_unavailable_until_its_actor_is_back(server: tuple[str, Path]) -> None:
-    url, _ = server
-    pid = _all_ready(url, "ray-one")["replicas"][0]["worker_pid"]
-    os.kill(pid, signal.SIGKILL)
-
-    def unavailable() -> httpx.Response | None:
-        response = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": "x"}, timeout=30)
-        code = response.json()["error"]["code"] if response.status_code != 200 else None
-        assert response.status_code in (200, 503) and code in (None, "worker_crashed", "slice_unavailable"), response.text
-        return response if code == "slice_unavailable" else None  # worker_crashed: sent before the death was seen
-
-    response = wait_for(unavailable, CRASH_REPORTED_S, "a 503 slice_unavailable while the only replica restarts")
-    assert response.headers["Retry-After"]
-    assert _all_ready(url, "ray-one")["replicas"][0]["worker_pid"] != pid
-    back = httpx.post(f"{url}/v1/embeddings", json={"model": EMBED_MODEL, "input": "back"}, timeout=CLIENT_TIMEOUT_S)
-    assert back.status_code == 200
+    assert events.count("worker_crashed") >= 2 and events.count("worker_restarted") >= 2
 
 
 def test_removing_a_node_fails_only_its_requests_and_the_replica_moves(server: tuple[str, Path], cluster: Any) -> None:
@@ -302,3 +310,37 @@ def test_removing_a_node_fails_only_its_requests_and_the_replica_moves(server: t
     assert moved["node_id"] != victim["node_id"]
     response = httpx.post(f"{url}/v1/completions", json={**LONG_BODY, "max_tokens": 4}, timeout=CLIENT_TIMEOUT_S)
     assert response.status_code == 200
+
+
+def test_layout_changes_of_a_model_on_ray_are_refused(server: tuple[str, Path]) -> None:
+    url, _ = server
+    layout = {"buckets": [{"max_input_tokens": 256, "batcher": {"kind": "continuous"}, "slice": "ray"}]}
+    put = httpx.put(f"{url}/admin/models/{GENERATE_MODEL}/buckets", json=layout, timeout=30)
+    assert put.status_code == 409 and "isolation: ray" in put.json()["error"]["message"]
+
+
+def test_a_model_source_missing_on_the_actors_node_is_a_clear_error_at_start(cluster: Any) -> None:
+    """A Ray slice started from this process (a driver of the module's cluster) whose model
+    source does not exist where its actor runs."""
+    import ray
+
+    from buckets.slices.ray_actor import connect
+    from gateway.build import ray_placement
+
+    config = parse_config({
+        "ray": {"address": cluster.address},
+        "slices": [{"name": "lost", "isolation": "ray", "resources": {"num_cpus": 0}, "kv_cache_memory_bytes": "16MiB"}],
+        "models": [{"name": "gone", "source": "/nonexistent/model", "task": "embed", "max_model_len": 16,
+                    "buckets": [{"max_input_tokens": 16, "batcher": {"kind": "dynamic"}, "slice": "lost"}]}],
+    })
+    placement = ray_placement(config.slices[0], config.ray)
+    assert placement is not None
+    lost = RaySlice("lost", "cpu", 1, run_slice_worker, lambda: (config.model_dump(mode="json"), "lost", "WARNING"), placement)
+    lost.attach(("gone", "le16", 0), remote_spec("dynamic", DynamicBatcherSettings(8, 5.0)))
+    connect(cluster.address, placement.namespace)
+    try:
+        with pytest.raises(RuntimeError, match="ModelSourceError: source '/nonexistent/model'.*does not exist"):
+            lost.start()
+        assert lost.state is SliceState.FAILED
+    finally:
+        ray.shutdown()
