@@ -70,8 +70,12 @@ def connect(address: str, namespace: str) -> None:
     """
     host = address.removeprefix("ray://").rsplit(":", 1)[0]
     if _is_loopback(host):
-        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
+        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")  # read when Ray is imported, here or in a child
     import ray
+    from ray._private import ray_constants
+
+    if _is_loopback(host):  # Ray was imported before (by a test, say): its switch is already read
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
     with _CONNECT_LOCK:  # the replicas of a slice start side by side
         if ray.is_initialized():
