@@ -365,15 +365,15 @@ def _ready_model(engine: Engine, name: str) -> ServedModel:
 
 def _check_thread_slices(engine: Engine, model: ModelConfig, action: str) -> None:
     """Raises APIError 409 (``process_slice``) when a bucket of ``model`` is on a slice with
-    ``isolation: process``: its worker process builds its buckets at start, and does not yet
+    ``isolation: process`` or ``ray``: its worker process or actor builds its buckets at start, and does not yet
     load, unload or rebuild them at run time (knob changes do reach it)."""
     for bucket in model.buckets:
         device_slice = engine.slices.get(bucket.slice)
-        if device_slice is not None and device_slice.isolation == "process":
+        if device_slice is not None and device_slice.isolation in ("process", "ray"):
             raise APIError(
                 409,
                 f"{action.capitalize()} the model '{model.name}' is not supported: its bucket '{bucket.bucket_name}' is "
-                f"on slice '{bucket.slice}', which has isolation: process (restart the gateway with a new config)",
+                f"on slice '{bucket.slice}', which has isolation: {device_slice.isolation} (restart the gateway with a new config)",
                 "invalid_request_error",
                 code="process_slice",
             )

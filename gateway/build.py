@@ -24,6 +24,7 @@ from buckets.dynamic import DynamicBatcher
 from buckets.settings import ContinuousBatcherSettings, DynamicBatcherSettings
 from buckets.slices import kinds
 from buckets.slices.kinds import SliceOptions
+from buckets.slices.ray_actor import RayPlacement
 from buckets.slices.slice import BatcherSettings, BucketSpec, Slice
 from gateway import memory, runners
 from gateway.config import (
@@ -33,6 +34,8 @@ from gateway.config import (
     GateConfig,
     GatewayConfig,
     ModelConfig,
+    RayConfig,
+    RayResourcesConfig,
     SliceConfig,
 )
 from gateway.errors import ConfigError
@@ -86,18 +89,34 @@ def slice_kv_budgets(config: GatewayConfig) -> dict[str, int]:
     return memory.slice_kv_budgets(config, device_memory_bytes(config))
 
 
-def make_slice(config: SliceConfig, worker_main: WorkerMain | None, worker_args: Callable[[], tuple[Any, ...]]) -> Slice:
+def make_slice(
+    config: SliceConfig, worker_main: WorkerMain | None, worker_args: Callable[[], tuple[Any, ...]],
+    ray: RayConfig | None = None,
+) -> Slice:
     """The slice ``config`` describes, of the kind its ``isolation`` names
     (:data:`buckets.slices.kinds.SLICE_KINDS`); one whose worker runs elsewhere runs
-    ``worker_main(conn, *worker_args())`` there (``worker_args`` is called at each (re)start).
+    ``worker_main(conn, *worker_args())`` there (``worker_args`` is called at each (re)start);
+    a Ray slice's actors run on the cluster ``ray`` names.
 
     Raises:
-        ValueError: a process slice and no ``worker_main`` to run in it.
+        ValueError: a process or Ray slice and no ``worker_main`` to run in it.
     """
     options = SliceOptions(
-        config.name, config.device, config.num_threads, config.max_consecutive_steps, worker_main, worker_args
+        config.name, config.device, config.num_threads, config.max_consecutive_steps, worker_main, worker_args,
+        ray_placement(config, ray),
     )
     return kinds.make_slice(config.isolation, options)
+
+
+def ray_placement(config: SliceConfig, ray: RayConfig | None) -> RayPlacement | None:
+    """Where slice ``config``'s Ray actors run (``None`` unless it has ``isolation: ray``)."""
+    if config.isolation != "ray" or ray is None:
+        return None
+    resources = config.resources or RayResourcesConfig()
+    return RayPlacement(
+        ray.address, resources.num_cpus, resources.num_gpus, dict(resources.custom), resources.node_id,
+        config.replicas, config.placement_strategy, ray.namespace,
+    )
 
 
 def continuous_settings(config: ContinuousBatcherConfig) -> ContinuousBatcherSettings:

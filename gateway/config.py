@@ -22,6 +22,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RayResourcesConfig(_Strict):
+    """What each Ray actor of a slice reserves, and where it may run."""
+
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    # Custom Ray resources each actor reserves ({"node1": 0.1} pins it to nodes that have "node1").
+    custom: dict[str, Annotated[float, Field(gt=0)]] = {}
+    # The Ray node (hex id, as `ray status -v` or ray.nodes() shows it) every replica runs on.
+    node_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{56}$")
+
+
 class SliceConfig(_Strict):
     """A device slice: a device and the worker (thread or process) that runs its buckets."""
 
@@ -40,10 +51,22 @@ class SliceConfig(_Strict):
     # thread: the buckets run on a worker thread of the gateway process. process: on a worker
     # process of their own, started and supervised by the gateway (restarted when it dies; its
     # requests in flight get a 503).
-    isolation: Literal["thread", "process"] = "thread"
+    # ray: on Ray actors of the cluster at the top-level ray.address, one per replica (a dead
+    # actor is re-created; its requests in flight get a 503).
+    isolation: Literal["thread", "process", "ray"] = "thread"
+    # isolation: ray only. What each actor reserves; how many actors serve the slice's buckets
+    # (each request goes to one, by load and prefix); PACK: Ray's default placement of the
+    # actors, SPREAD: over the nodes.
+    resources: RayResourcesConfig | None = None
+    replicas: int = Field(default=1, ge=1, le=64)
+    placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
 
     @model_validator(mode="after")
     def _check_budget(self) -> "SliceConfig":
+        if self.isolation != "ray":
+            for key, default in (("resources", None), ("replicas", 1), ("placement_strategy", "PACK")):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key}: only a slice with isolation: ray has it (this one has isolation: {self.isolation})")
         if self.device.startswith("MIG-"):
             if self.isolation != "process":
                 raise ValueError("isolation: a MIG instance is reached through CUDA_VISIBLE_DEVICES of a worker process; set isolation: process")
@@ -254,6 +277,15 @@ class StructuredOutputConfig(_Strict):
     compile_timeout_s: float = Field(default=10.0, gt=0, le=600)
 
 
+class RayConfig(_Strict):
+    """The Ray cluster that the slices with ``isolation: ray`` run on."""
+
+    # auto (the cluster this machine's `ray start` joined), ray://host:port, or the GCS host:port.
+    address: str = Field(min_length=1)
+    # The Ray namespace of the slices' actors (two gateways on one cluster share it).
+    namespace: str = Field(default="sluice", min_length=1)
+
+
 class GatewayConfig(_Strict):
     """The whole file: slices, then models whose buckets name those slices."""
 
@@ -273,9 +305,12 @@ class GatewayConfig(_Strict):
     admin_allow_loopback_without_token: bool = False
     gate: GateConfig = GateConfig()
     structured_output: StructuredOutputConfig = StructuredOutputConfig()
+    # Absent: no Ray (a slice with isolation: ray is then an error).
+    ray: RayConfig | None = None
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":
+        self._check_ray()
         if self.min_priority > self.max_priority:
             raise ValueError(f"min_priority: {self.min_priority} is above max_priority {self.max_priority}")
         slice_names = [s.name for s in self.slices]
@@ -296,6 +331,18 @@ class GatewayConfig(_Strict):
                     f"more than 1 ({sum(fractions):g})"
                 )
         return self
+
+    def _check_ray(self) -> None:
+        """A Ray slice needs ``ray.address``; its buckets' backend is chosen in the actors, so
+        not by a gate (``auto``) run from the gateway."""
+        ray_slices = {s.name: i for i, s in enumerate(self.slices) if s.isolation == "ray"}
+        if ray_slices and self.ray is None:
+            first = next(iter(ray_slices.values()))
+            raise ValueError(f"slices.{first}.isolation: ray needs the top-level ray.address of the cluster")
+        for i, model in enumerate(self.models):
+            for j, bucket in enumerate(model.buckets):
+                if bucket.slice in ray_slices and bucket.backend == "auto":
+                    raise ValueError(f"models.{i}.buckets.{j}.backend: auto is not supported on a slice with isolation: ray")
 
     def continuous_buckets(self, slice_name: str) -> list[BucketConfig]:
         """The continuous buckets (of every model) placed on slice ``slice_name``, in file order."""

@@ -112,7 +112,8 @@ class Engine:
         self.defer_gates = defer_gates
         self.cache_dir = build.cache_dir(config)
         self.slices: dict[str, Slice] = {
-            s.name: build.make_slice(s, worker_main, functools.partial(self._worker_args, s.name)) for s in config.slices
+            s.name: build.make_slice(s, worker_main, functools.partial(self._worker_args, s.name), config.ray)
+            for s in config.slices
         }
         self.models: dict[str, ServedModel] = {}
         self.request_observers: list[RequestObserver] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -46,7 +47,8 @@ def worker_config(config: GatewayConfig, slice_name: str) -> GatewayConfig:
         if buckets:
             models.append(model.model_copy(update={"buckets": buckets}))
     data = config.model_dump(mode="json")
-    data["slices"] = [the_slice.model_copy(update={"isolation": "thread"}).model_dump(mode="json")]
+    local = {"isolation": "thread", "resources": None, "replicas": 1, "placement_strategy": "PACK"}
+    data["slices"] = [the_slice.model_copy(update=local).model_dump(mode="json")]
     data["models"] = [m.model_dump(mode="json") for m in models]
     return GatewayConfig.model_validate(data)
 
@@ -66,7 +68,8 @@ def rebuild_bucket(engine: Engine, key: BucketKey) -> tuple[BucketKey, dict[str,
 def run_slice_worker(conn: Connection, config_data: dict[str, Any], slice_name: str, log_level: str) -> None:
     """A slice worker process's main: load the slice's models, build their buckets, serve them
     over ``conn`` until the gateway says stop or goes away, then fail what is left."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group; the gateway stops us
+    if threading.current_thread() is threading.main_thread():  # a Ray actor runs it on a thread of its own
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group; the gateway stops us
     device = next(s["device"] for s in config_data["slices"] if s["name"] == slice_name)
     if device.startswith("MIG-"):  # before CUDA starts in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = device

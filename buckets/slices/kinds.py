@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from buckets.slices.process import ProcessSlice
+from buckets.slices.ray_actor import RayPlacement
+from buckets.slices.ray_slice import RaySlice
 from buckets.slices.slice import Slice
 from buckets.slices.thread import ThreadSlice
 
@@ -19,7 +21,8 @@ class SliceOptions:
 
     ``worker_main`` is what a slice whose worker runs elsewhere runs there,
     ``worker_main(conn, *worker_args())`` (``worker_args`` is called at each (re)start, so a
-    restart serves the current config); ``None`` where no such worker is possible.
+    restart serves the current config); ``None`` where no such worker is possible. ``ray``:
+    where a Ray slice's actors run (``None`` for the other kinds).
     """
 
     name: str
@@ -28,6 +31,7 @@ class SliceOptions:
     max_consecutive_steps: int
     worker_main: Callable[..., None] | None
     worker_args: Callable[[], tuple[Any, ...]]
+    ray: RayPlacement | None = None
 
 
 def thread_slice(options: SliceOptions) -> Slice:
@@ -41,7 +45,16 @@ def process_slice(options: SliceOptions) -> Slice:
     return ProcessSlice(options.name, options.device, options.num_threads, options.worker_main, options.worker_args)
 
 
-SLICE_KINDS: dict[str, Callable[[SliceOptions], Slice]] = {"thread": thread_slice, "process": process_slice}
+def ray_slice(options: SliceOptions) -> Slice:
+    """Raises ValueError: no ``worker_main`` to run in the actors, or no Ray placement."""
+    if options.worker_main is None or options.ray is None:
+        raise ValueError(f"slice {options.name!r} has isolation: ray, and no worker main or Ray placement was given")
+    return RaySlice(options.name, options.device, options.num_threads, options.worker_main, options.worker_args, options.ray)
+
+
+SLICE_KINDS: dict[str, Callable[[SliceOptions], Slice]] = {
+    "thread": thread_slice, "process": process_slice, "ray": ray_slice,
+}
 
 
 def make_slice(isolation: str, options: SliceOptions) -> Slice:

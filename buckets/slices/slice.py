@@ -84,7 +84,7 @@ class Slice(Protocol):
     name: str
     device: str  # "cpu", "cuda:N", or a MIG instance's UUID
     num_threads: int
-    isolation: str  # the config's word for the kind: "thread", "process"
+    isolation: str  # the config's word for the kind: "thread", "process", "ray"
 
     @property
     def state(self) -> SliceState: ...

@@ -68,7 +68,7 @@ def test_each_slice_gets_the_worker_its_isolation_names() -> None:
 
 def test_every_isolation_the_config_accepts_is_a_slice_kind() -> None:
     isolations = get_args(SliceConfig.model_fields["isolation"].annotation)
-    assert set(isolations) == set(SLICE_KINDS) == {"thread", "process"}
+    assert set(isolations) == set(SLICE_KINDS) == {"thread", "process", "ray"}
 
 
 def test_a_process_slice_needs_a_worker_main_to_run() -> None:
