@@ -11,8 +11,6 @@ token-id inputs, ``dimensions`` and the tokenizer endpoints' bodies.
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,8 +33,6 @@ NUM_NEGATIVE_PER_POST = 120
 NUM_EXAMPLES_PER_GET = 20
 MIN_NUM_REQUESTS = 1000
 REQUEST_TIMEOUT_S = 60
-# Cases drawn ahead of the one being sent.
-PIPELINE_DEPTH = 8
 # The served model each POST route takes; a generated ``model`` string is almost never one.
 POST_MODELS = {
     "/v1/completions": GENERATE_MODEL, "/v1/chat/completions": GENERATE_MODEL, "/v1/embeddings": EMBED_MODEL,
@@ -117,44 +113,21 @@ def _fuzz(strategy: st.SearchStrategy[schemathesis.Case], num_examples: int, sen
     run()
 
 
-class PipelinedSender:
-    """Sends cases on a thread of its own, in order, while Hypothesis draws the next ones: drawing
-    schema-valid bodies is the pytest process's Python work (most of this test's time when done
-    in turn), answering them the server's. Each status is counted, and the request of any 5xx
-    kept, in ``record``; :meth:`close` waits for every queued case."""
+def _sender(server: FuzzServer, session: requests.Session, record: FuzzRecord, mode: str) -> Send:
+    """Send each case to ``server``; count its status, and keep the request of any 5xx."""
 
-    def __init__(self, server: FuzzServer, session: requests.Session, record: FuzzRecord) -> None:
-        self._server, self._session, self._record = server, session, record
-        self._queue: queue.Queue[tuple[schemathesis.Case, str] | None] = queue.Queue(maxsize=PIPELINE_DEPTH)
-        self._thread = threading.Thread(target=self._run, name="fuzz-sender", daemon=True)
-        self._thread.start()
-
-    def sender(self, mode: str) -> Send:
-        """A :data:`Send` that queues each case, labelled ``mode`` in the 5xx reports."""
-        return lambda case: self._queue.put((case, mode))
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            case, mode = item
-            try:
-                self._send(case, mode)
-            except Exception as exc:  # noqa: BLE001 - a transport error is a finding too
-                self._record.server_errors.append(f"{mode} {case.operation.label} -> {type(exc).__name__}: {exc}")
-
-    def _send(self, case: schemathesis.Case, mode: str) -> None:
-        response = case.call(base_url=self._server.url, session=self._session, timeout=REQUEST_TIMEOUT_S)
-        self._record.statuses[(case.operation.label, response.status_code)] += 1
+    def send(case: schemathesis.Case) -> None:
+        response = case.call(base_url=server.url, session=session, timeout=REQUEST_TIMEOUT_S)
+        record.statuses[(case.operation.label, response.status_code)] += 1
         body = None if isinstance(case.body, NotSet) else case.body
         if response.status_code >= 500 and not _own_deadline(body, response):
             # The body itself, not a curl command: schemathesis masks fields like "max_tokens" there.
-            self._record.server_errors.append(
+            record.server_errors.append(
                 f"{mode} {case.operation.label} -> {response.status_code} {response.text[:500]}\n"
                 f"  body: {json.dumps(body, default=repr)[:4000]}"
             )
+
+    return send
 
 
 def _own_deadline(body: object, response: requests.Response) -> bool:
@@ -192,19 +165,16 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
     record = FuzzRecord()
     positive, negative = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
     with requests.Session() as session:
-        pipeline = PipelinedSender(fuzz_server, session, record)
-        send_valid, send_invalid = pipeline.sender("positive"), pipeline.sender("negative")
-        try:
-            for op in operations:
-                if not (op.method.upper() == "POST" and op.path in POST_MODELS):
-                    # GETs, and the admin routes (off on this server without a token: 403s).
-                    _fuzz(op.as_strategy(positive), NUM_EXAMPLES_PER_GET, send_valid)
-                    continue
-                valid = _served_model_half_the_time(op.as_strategy(positive), POST_MODELS[op.path])
-                _fuzz(valid, NUM_POSITIVE_PER_POST, send_valid)
-                _fuzz(op.as_strategy(negative), NUM_NEGATIVE_PER_POST, send_invalid)
-        finally:
-            pipeline.close()
+        send_valid = _sender(fuzz_server, session, record, "positive")
+        send_invalid = _sender(fuzz_server, session, record, "negative")
+        for op in operations:
+            if not (op.method.upper() == "POST" and op.path in POST_MODELS):
+                # GETs, and the admin routes (off on this server without a token: 403s).
+                _fuzz(op.as_strategy(positive), NUM_EXAMPLES_PER_GET, send_valid)
+                continue
+            valid = _served_model_half_the_time(op.as_strategy(positive), POST_MODELS[op.path])
+            _fuzz(valid, NUM_POSITIVE_PER_POST, send_valid)
+            _fuzz(op.as_strategy(negative), NUM_NEGATIVE_PER_POST, send_invalid)
     summary = dict(sorted(record.statuses.items()))
     assert not record.server_errors, (
         f"{len(record.server_errors)} of {record.num_requests} responses were 5xx; the first ones:\n"
