@@ -4,8 +4,8 @@ A dedicated server runs here with ``max_tokens_cap`` 4 and short embedding batch
 valid generated bodies stay cheap. Each POST operation gets schema-valid bodies (positive mode)
 and schema-violating ones (negative mode); the GET operations get what they take. Hypothesis
 runs derandomized, without shrinking or an example database, so the run is reproducible and
-bounded: about 1,900 requests, all to 127.0.0.1. The bodies include content-part arrays,
-token-id inputs, ``dimensions`` and the tokenizer endpoints' bodies.
+bounded: about 1,200 requests (at least 1,000, as issue 4 asks), all to 127.0.0.1. The bodies
+include content-part arrays, token-id inputs, ``dimensions`` and the tokenizer endpoints' bodies.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
 
 MAX_TOKENS_CAP = 4
 MAX_EMBEDDING_INPUTS = 8
-NUM_POSITIVE_PER_POST = 250
-NUM_NEGATIVE_PER_POST = 120
+NUM_POSITIVE_PER_POST = 150
+NUM_NEGATIVE_PER_POST = 80
 NUM_EXAMPLES_PER_GET = 20
 MIN_NUM_REQUESTS = 1000
 REQUEST_TIMEOUT_S = 60
