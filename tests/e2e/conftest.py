@@ -15,8 +15,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -138,12 +140,14 @@ class Server:
 
 class ServerPool:
     """Gateways started from the test config with an edit applied, one per distinct resulting
-    config and environment, kept until :meth:`close` (the session's end)."""
+    config and environment, kept until :meth:`close` (the session's end). :meth:`get` may be
+    called from several threads at once: each server is started once, by its first caller."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp_path_factory = tmp_path_factory
         self._stack = contextlib.ExitStack()
-        self._servers: dict[tuple[str, tuple[tuple[str, str], ...]], Server] = {}
+        self._lock = threading.Lock()
+        self._servers: dict[tuple[str, tuple[tuple[str, str], ...]], Future[Server]] = {}
 
     def get(self, edit: ConfigEdit | None = None, env: dict[str, str] | None = None) -> Server:
         """The server for the test config changed in place by ``edit`` and run with ``env``
@@ -153,14 +157,29 @@ class ServerPool:
             edit(config)
         text = yaml.safe_dump(config, sort_keys=True)
         key = (text, tuple(sorted((env or {}).items())))
-        if key not in self._servers:
+        with self._lock:
+            started = self._servers.get(key)
+            is_first = started is None
+            if started is None:
+                started = self._servers[key] = Future()
+        if is_first:
+            try:
+                started.set_result(self._start(text, env))
+            except BaseException as exc:  # pytest.fail's Failed included: every caller sees it
+                started.set_exception(exc)
+        return started.result()
+
+    def _start(self, text: str, env: dict[str, str] | None) -> Server:
+        with self._lock:
             folder = self._tmp_path_factory.mktemp("server")
-            path = folder / "config.yaml"
-            path.write_text(text)
-            log_path = folder / "server.log"
-            url, proc = self._stack.enter_context(run_server_process(path, log_path, env))
-            self._servers[key] = Server(url, proc, log_path)
-        return self._servers[key]
+        path = folder / "config.yaml"
+        path.write_text(text)
+        log_path = folder / "server.log"
+        running = run_server_process(path, log_path, env)
+        url, proc = running.__enter__()
+        with self._lock:
+            self._stack.push(running)
+        return Server(url, proc, log_path)
 
     def close(self) -> None:
         """Stop every server started."""
@@ -242,6 +261,28 @@ def small_queues(config: dict[str, Any]) -> None:
 def small_queue_server(server_with: Callable[..., Server]) -> Server:
     """The server of :func:`small_queues`'s config (admission and the dashboards share it)."""
     return server_with(small_queues)
+
+
+# The shared servers by the fixture that asks for each, with their edit and environment.
+SHARED_SERVERS: dict[str, tuple[ConfigEdit | None, dict[str, str] | None]] = {
+    "default_server": (None, None),
+    "admin_server": (drain_retry_after, {"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}),
+    "one_sequence_server": (one_sequence_short_bucket, None),
+    "small_queue_server": (small_queues, None),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_servers_started_side_by_side(request: pytest.FixtureRequest, server_with: Callable[..., Server]) -> None:
+    """Start the shared servers the collected tests ask for side by side, before the first test
+    (a start is mostly one core's work: four took about 22 s one after another). A server that
+    fails to start fails the tests that use it, when they ask for it."""
+    needed = set().union(*(item.fixturenames for item in request.session.items))
+    specs = [spec for name, spec in SHARED_SERVERS.items() if name in needed]
+    if len(specs) > 1:
+        with ThreadPoolExecutor(len(specs)) as pool:
+            for started in [pool.submit(server_with, *spec) for spec in specs]:
+                started.exception()
 
 
 @pytest.fixture(scope="session")
