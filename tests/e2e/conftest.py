@@ -263,12 +263,30 @@ def small_queue_server(server_with: Callable[..., Server]) -> Server:
     return server_with(small_queues)
 
 
+# The Matryoshka server's declared embedding sizes.
+MATRYOSHKA_DIMENSIONS = [64, 128]
+
+
+def matryoshka_embedder(config: dict[str, Any]) -> None:
+    """The embedding model alone, declaring Matryoshka dimensions (MiniLM is not trained for them:
+    the test checks the cut and the renormalising, not the quality)."""
+    config["models"] = [m for m in config["models"] if m["name"] == EMBED_MODEL]
+    config["models"][0]["matryoshka_dimensions"] = MATRYOSHKA_DIMENSIONS
+
+
+@pytest.fixture(scope="session")
+def matryoshka_server(server_with: Callable[..., Server]) -> Server:
+    """The server of :func:`matryoshka_embedder`'s config."""
+    return server_with(matryoshka_embedder)
+
+
 # The shared servers by the fixture that asks for each, with their edit and environment.
 SHARED_SERVERS: dict[str, tuple[ConfigEdit | None, dict[str, str] | None]] = {
     "default_server": (None, None),
     "admin_server": (drain_retry_after, {"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}),
     "one_sequence_server": (one_sequence_short_bucket, None),
     "small_queue_server": (small_queues, None),
+    "matryoshka_server": (matryoshka_embedder, None),
 }
 
 

@@ -24,7 +24,6 @@ CHAT = {"model": GENERATE_MODEL, "messages": [{"role": "user", "content": "Hi"}]
 EMBEDDING = {"model": EMBED_MODEL, "input": "Paris is the capital of France."}
 BODIES = {"/v1/completions": (COMPLETION, CompletionBody), "/v1/chat/completions": (CHAT, ChatCompletionBody),
           "/v1/embeddings": (EMBEDDING, EmbeddingBody)}
-MATRYOSHKA_DIMENSIONS = [64, 128]
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +118,8 @@ def test_dimensions_without_matryoshka_dimensions_is_refused(client: httpx.Clien
     assert (error["param"], error["code"]) == ("dimensions", "unsupported_parameter")
 
 
-def matryoshka_embedder(config: dict[str, Any]) -> None:
-    """The embedding model alone, declaring Matryoshka dimensions (MiniLM is not trained for them:
-    the test checks the cut and the renormalising, not the quality)."""
-    config["models"] = [m for m in config["models"] if m["name"] == EMBED_MODEL]
-    config["models"][0]["matryoshka_dimensions"] = MATRYOSHKA_DIMENSIONS
-
-
-def test_matryoshka_dimensions_cut_and_renormalise(server_with: Callable[..., Server]) -> None:
-    with httpx.Client(base_url=server_with(matryoshka_embedder).url, timeout=120) as matryoshka:
+def test_matryoshka_dimensions_cut_and_renormalise(matryoshka_server: Server) -> None:
+    with httpx.Client(base_url=matryoshka_server.url, timeout=120) as matryoshka:
         (full,) = embedding(matryoshka)
         (cut,) = embedding(matryoshka, dimensions=64)
         norm = math.sqrt(sum(x * x for x in full[:64]))
