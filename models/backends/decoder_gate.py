@@ -8,8 +8,10 @@ tokens, all prompts packed in the same steps, as the continuous batcher does. An
 (:func:`is_lossy` false: ``compiled``, ``lean``, ``lean-int4`` from a GGUF Q4_1 source) must give
 eager's greedy tokens, where a prompt first differs a near-tie in eager's log-probabilities (the
 two picks within :data:`NEAR_TIE_LOGPROB`, the engine tests' rule after vLLM's
-``check_logprobs_close``). A lossy kind is teacher-forced along eager's tokens: the share of
-decode steps whose top token is eager's and the mean KL(eager || candidate) in nats.
+``check_logprobs_close``). A lossy kind is teacher-forced along eager's tokens, one prompt at a
+time (a decode step of more rows than the kernel's limit runs float32 products, so packed prompts
+would measure the exact path, not the one a lone request takes): the share of decode steps whose
+top token is eager's and the mean KL(eager || candidate) in nats.
 """
 
 from __future__ import annotations
@@ -173,13 +175,14 @@ def measure_decoder(
         times = interleaved_times_ms(calls, len(tuples), repeats, guard)
     guard.wait_until_idle()
     want = greedy_tokens(runners["eager"], prompts, max_new_tokens)
-    reference = teacher_forced_logprobs(runners["eager"], prompts, want)
+    packed = teacher_forced_logprobs(runners["eager"], prompts, want)
+    alone = _one_at_a_time(runners["eager"], prompts, want)
     for name, runner in runners.items():
         if name == "eager":
             continue
         guard.wait_until_idle()
         try:
-            results[name].update(_accuracy(runner, results[name]["quantized"], prompts, want, reference))
+            results[name].update(_accuracy(runner, results[name]["quantized"], prompts, want, (packed, alone)))
         except Exception as exc:  # a backend failing at run time is refused, with the reason
             results[name]["error"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -187,9 +190,19 @@ def measure_decoder(
     return list(results.values())
 
 
-def _accuracy(runner: Any, lossy: bool, prompts: Sequence[list[int]], want: Sequence[list[int]], reference: torch.Tensor) -> dict[str, Any]:
-    """A candidate's accuracy figures (see :func:`measure_decoder`)."""
+def _one_at_a_time(runner: Any, prompts: Sequence[list[int]], want: Sequence[list[int]]) -> torch.Tensor:
+    """:func:`teacher_forced_logprobs` of each prompt alone, ``[num_prompts * steps, vocab]``
+    grouped by prompt."""
+    return torch.cat([teacher_forced_logprobs(runner, [p], [w]) for p, w in zip(prompts, want, strict=True)])
+
+
+def _accuracy(
+    runner: Any, lossy: bool, prompts: Sequence[list[int]], want: Sequence[list[int]], references: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, Any]:
+    """A candidate's accuracy figures (see :func:`measure_decoder`); ``references`` eager's
+    teacher-forced log-probabilities packed and one prompt at a time."""
+    packed, alone = references
     if lossy:
-        return logprob_agreement(reference, teacher_forced_logprobs(runner, prompts, want))
-    ties = greedy_near_ties(reference, want, greedy_tokens(runner, prompts, len(want[0])))
+        return logprob_agreement(alone, _one_at_a_time(runner, prompts, want))
+    ties = greedy_near_ties(packed, want, greedy_tokens(runner, prompts, len(want[0])))
     return {"tokens_identical": ties is not None, "near_ties": ties}
