@@ -8,10 +8,10 @@ tokens, all prompts packed in the same steps, as the continuous batcher does. An
 (:func:`is_lossy` false: ``compiled``, ``lean``, ``lean-int4`` from a GGUF Q4_1 source) must give
 eager's greedy tokens, where a prompt first differs a near-tie in eager's log-probabilities (the
 two picks within :data:`NEAR_TIE_LOGPROB`, the engine tests' rule after vLLM's
-``check_logprobs_close``). A lossy kind is teacher-forced along eager's tokens, one prompt at a
-time (a decode step of more rows than the kernel's limit runs float32 products, so packed prompts
-would measure the exact path, not the one a lone request takes): the share of decode steps whose
-top token is eager's and the mean KL(eager || candidate) in nats.
+``check_logprobs_close``). A lossy kind is teacher-forced along eager's tokens: the share of
+decode steps whose top token is eager's and the mean KL(eager || candidate) in nats. Candidates
+run one prompt at a time (a decode step of more rows than the kernel's limit runs float32
+products, so packed prompts would measure that exact path, not the one a lone request takes).
 """
 
 from __future__ import annotations
@@ -116,14 +116,14 @@ def logprob_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict[
 
 def greedy_near_ties(reference: torch.Tensor, want: Sequence[list[int]], got: Sequence[list[int]]) -> int | None:
     """How many prompts' greedy tokens ``got`` first differ from ``want`` at a near-tie of the
-    teacher-forced ``reference`` (``[steps * num_prompts, vocab]``, grouped by step, along
+    teacher-forced ``reference`` (``[num_prompts * steps, vocab]``, grouped by prompt, along
     ``want``); ``None`` when one differs by more than :data:`NEAR_TIE_LOGPROB`."""
     ties = 0
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
         step = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
         if step is None:
             continue
-        row = reference[step * len(want) + i]
+        row = reference[i * len(w) + step]
         if abs(float(row[w[step]] - row[g[step]])) >= NEAR_TIE_LOGPROB:
             return None
         ties += 1
@@ -175,14 +175,13 @@ def measure_decoder(
         times = interleaved_times_ms(calls, len(tuples), repeats, guard)
     guard.wait_until_idle()
     want = greedy_tokens(runners["eager"], prompts, max_new_tokens)
-    packed = teacher_forced_logprobs(runners["eager"], prompts, want)
-    alone = _one_at_a_time(runners["eager"], prompts, want)
+    reference = _one_at_a_time(runners["eager"], prompts, want)
     for name, runner in runners.items():
         if name == "eager":
             continue
         guard.wait_until_idle()
         try:
-            results[name].update(_accuracy(runner, results[name]["quantized"], prompts, want, (packed, alone)))
+            results[name].update(_accuracy(runner, results[name]["quantized"], prompts, want, reference))
         except Exception as exc:  # a backend failing at run time is refused, with the reason
             results[name]["error"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -196,13 +195,11 @@ def _one_at_a_time(runner: Any, prompts: Sequence[list[int]], want: Sequence[lis
     return torch.cat([teacher_forced_logprobs(runner, [p], [w]) for p, w in zip(prompts, want, strict=True)])
 
 
-def _accuracy(
-    runner: Any, lossy: bool, prompts: Sequence[list[int]], want: Sequence[list[int]], references: tuple[torch.Tensor, torch.Tensor]
-) -> dict[str, Any]:
-    """A candidate's accuracy figures (see :func:`measure_decoder`); ``references`` eager's
-    teacher-forced log-probabilities packed and one prompt at a time."""
-    packed, alone = references
+def _accuracy(runner: Any, lossy: bool, prompts: Sequence[list[int]], want: Sequence[list[int]], reference: torch.Tensor) -> dict[str, Any]:
+    """A candidate's accuracy figures (see :func:`measure_decoder`), each prompt alone;
+    ``reference`` eager's :func:`_one_at_a_time` along ``want``."""
     if lossy:
-        return logprob_agreement(alone, _one_at_a_time(runner, prompts, want))
-    ties = greedy_near_ties(packed, want, greedy_tokens(runner, prompts, len(want[0])))
+        return logprob_agreement(reference, _one_at_a_time(runner, prompts, want))
+    got = [greedy_tokens(runner, [prompt], len(want[0]))[0] for prompt in prompts]
+    ties = greedy_near_ties(reference, want, got)
     return {"tokens_identical": ties is not None, "near_ties": ties}

@@ -214,11 +214,11 @@ FAST: dict[str, Any] = {"eager_ms": (20.0, 8.0, 30.0), "candidate_ms": (20.0, 4.
 
 def test_an_exact_lean_kind_with_one_differing_greedy_token_is_refused() -> None:
     want, got = [[5, 6, 7], [1, 2, 3]], [[5, 6, 7], [1, 4, 3]]
-    reference = torch.full((6, 8), -5.0)  # [steps * prompts, vocab], grouped by step
-    reference[3, 2], reference[3, 4] = -0.1, -0.1 - NEAR_TIE_LOGPROB / 2  # step 1, prompt 1
+    reference = torch.full((6, 8), -5.0)  # [prompts * steps, vocab], grouped by prompt
+    reference[4, 2], reference[4, 4] = -0.1, -0.1 - NEAR_TIE_LOGPROB / 2  # prompt 1, step 1
     assert greedy_near_ties(reference, want, want) == 0
     assert greedy_near_ties(reference, want, got) == 1  # a near-tie: allowed, as in the engine tests
-    reference[3, 4] = -2.0
+    reference[4, 4] = -2.0
     assert greedy_near_ties(reference, want, got) is None
     refused = judge(steady("lean", tokens_identical=False, **FAST), T)
     assert not refused.enabled and refused.reasons[1] == "greedy tokens differ from eager"
