@@ -244,6 +244,11 @@ class ModelConfig(_Strict):
         return self
 
 
+GateCandidate = Literal[
+    "compiled", "onnx-fp32", "onnx-int8", "lean", "lean-int8", "lean-int4", "lean-int8-bf16", "lean-int4-bf16"
+]
+
+
 class GateConfig(_Strict):
     """What a backend must show at a bucket's shapes before ``auto`` enables it
     (:mod:`policies.gating`), and how the gate measures."""
@@ -252,6 +257,9 @@ class GateConfig(_Strict):
     min_cosine: float = Field(default=0.999, gt=0, le=1)
     min_cosine_quantized: float = Field(default=0.99, gt=0, le=1)
     min_top1_agreement: float = Field(default=0.99, gt=0, le=1)
+    # What a lossy decoder kind (lean-int8, the -bf16 kinds, lean-int4 from a float folder) must
+    # show against eager, teacher-forced along eager's greedy tokens, besides min_top1_agreement.
+    max_mean_kl_nats: float = Field(default=0.02, gt=0)
     # What an int8 KV pool must show against float32 KV for kv_cache_dtype auto
     # (models/kv_accuracy.py): greedy agreement up to the first divergence, and mean KL.
     min_kv_greedy_agreement: float = Field(default=0.99, gt=0, le=1)
@@ -262,8 +270,10 @@ class GateConfig(_Strict):
     # Timed runs per backend and shape, interleaved across backends: each repeat is one paired
     # sample of the speed-up (their medians are what the tables show).
     repeats: int = Field(default=7, ge=1, le=1000)
-    # Candidates an auto bucket is gated over (those a model's task cannot run are skipped).
-    candidates: list[Literal["compiled", "onnx-fp32", "onnx-int8"]] = ["compiled", "onnx-fp32", "onnx-int8"]
+    # Candidates an auto bucket is gated over (those a model's task cannot run are skipped: the
+    # onnx kinds are encoders only, compiled both, the lean kinds decoders only). The -bf16
+    # kinds are opt-in: no faster than lean-int4 here, and lossy.
+    candidates: list[GateCandidate] = ["compiled", "onnx-fp32", "onnx-int8", "lean", "lean-int8", "lean-int4"]
     # With no valid gate record for an auto bucket at start: run the gate then (else: eager).
     run_at_start: bool = True
 

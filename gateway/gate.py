@@ -17,8 +17,9 @@ Shapes:
         ``max_batch_size``: the padded shapes its batches take at the length boundary.
     continuous (decoder) bucket: ``(num_sequences, num_tokens)`` steps: one prefill chunk of
         ``min(max_input_tokens, max_num_batched_tokens)`` tokens, and decodes of 1 and
-        ``max_num_seqs`` sequences at a context of ``max_input_tokens``; accuracy: greedy tokens
-        of 8 gate texts, 16 each, identical to eager.
+        ``max_num_seqs`` sequences at a context of ``max_input_tokens``; accuracy on 8 gate
+        texts, 16 tokens each: exact kinds greedy tokens identical to eager (near-ties allowed),
+        lossy kinds teacher-forced top-1 agreement and mean KL (:mod:`models.backends.decoder_gate`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from models.backends.base import BackendUnavailableError, EncoderBackend, Encode
 from models.backends.decoder_gate import measure_decoder
 from models.backends.eager import EagerEncoder
 from models.backends.measure import ALWAYS_IDLE, IdleGuard, batched, interleaved_times_ms, latency_fields, min_cosine
-from models.backends.registry import DECODER_FACTORIES, build_encoder
+from models.backends.registry import DECODER_FACTORIES, ENCODER_FACTORIES, build_encoder
 from models.encoder import EmbeddingRunner
 from models.kv_accuracy import KVAccuracyThresholds, judge_kv_dtype, measure_kv_dtype
 from models.loader import LoadedModel
@@ -166,7 +167,8 @@ def save_record(path: Path, record: dict[str, Any]) -> None:
 def thresholds(config: GateConfig) -> GateThresholds:
     """The thresholds of :mod:`policies.gating` that ``config`` sets."""
     return GateThresholds(
-        config.min_speedup, config.min_cosine, config.min_cosine_quantized, config.min_top1_agreement, config.confidence
+        config.min_speedup, config.min_cosine, config.min_cosine_quantized, config.min_top1_agreement, config.confidence,
+        max_mean_kl_nats=config.max_mean_kl_nats,
     )
 
 
@@ -264,7 +266,7 @@ def _gate_encoder(
     parts = EncoderParts(loaded.model, loaded.folder, cache_dir, num_threads, loaded.device)
     backends: dict[str, EncoderBackend] = {"eager": EagerEncoder(loaded.model)}
     results: dict[str, dict[str, Any]] = {}
-    for label in config.candidates:
+    for label in (c for c in config.candidates if c in ENCODER_FACTORIES and c != "eager"):
         results[label] = {"backend": label, "quantized": label.endswith("int8")}
         guard.wait_until_idle()
         try:
@@ -343,6 +345,8 @@ def summary(record: dict[str, Any] | None, config: GateConfig) -> dict[str, Any]
             "speedup_low": None if verdict.speedup_low is None else round(verdict.speedup_low, 3),
             "min_cosine": candidate.get("min_cosine"),
             "tokens_identical": candidate.get("tokens_identical"),
+            "top1_agreement": candidate.get("top1_agreement"),
+            "mean_kl_nats": candidate.get("mean_kl_nats"),
             "reasons": list(verdict.reasons),
         })
     chosen = choose_backend(list(judged.values()), thresholds(config))

@@ -12,18 +12,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from pydantic import ValidationError
 
 from gateway import gate
-from gateway.config import GatewayConfig, load_config
+from gateway.config import GateCandidate, GatewayConfig, load_config
 from gateway.errors import ConfigError
 from models.loader import load_model
 from models.source import default_cache_dir
 
-CANDIDATES = ("compiled", "onnx-fp32", "onnx-int8")
+CANDIDATES: tuple[str, ...] = get_args(GateCandidate)
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:

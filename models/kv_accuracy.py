@@ -21,13 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from models.backends.decoder_gate import greedy_tokens
+from models.backends.decoder_gate import greedy_tokens, logprob_agreement, teacher_forced_logprobs
 from models.causal_lm import CausalLMRunner
-from models.step_io import SamplingParams, SequenceInput
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -48,30 +43,6 @@ def greedy_agreement(reference: Sequence[list[int]], got: Sequence[list[int]]) -
     return sum(scores) / len(scores)
 
 
-@torch.inference_mode()
-def teacher_forced_logprobs(runner: CausalLMRunner, prompts: Sequence[list[int]], continuations: Sequence[list[int]]) -> torch.Tensor:
-    """``[num_prompts * steps, vocab]`` float32 log-probabilities of each decode step along
-    ``continuations`` (every prompt prefilled in one step, then one packed decode per token),
-    grouped by step. All continuations have the same length ``steps``."""
-    block_size = runner.kv_cache.block_size
-    steps = len(continuations[0])
-    tables, start = [], 0
-    for prompt in prompts:
-        count = -(-(len(prompt) + steps) // block_size)
-        tables.append(list(range(start, start + count)))
-        start += count
-    batch = [SequenceInput(i, list(p), 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)]
-    rows = []
-    for step in range(steps):
-        hidden = runner._forward(batch)[0]
-        ends = torch.tensor([len(s.token_ids) for s in batch]).cumsum(0) - 1
-        rows.append(torch.log_softmax(runner._logits(hidden[ends]).float(), dim=-1))
-        batch = [
-            SequenceInput(i, [continuations[i][step]], len(p) + step, tables[i], True, GREEDY) for i, p in enumerate(prompts)
-        ]
-    return torch.cat(rows)
-
-
 def measure_kv_dtype(
     model: Any, prompts: Sequence[list[int]], max_new_tokens: int, block_size: int, kv_cache_dtype: str, backend: str = "eager"
 ) -> dict[str, Any]:
@@ -87,13 +58,10 @@ def measure_kv_dtype(
     got = greedy_tokens(runner, prompts, max_new_tokens)
     reference = teacher_forced_logprobs(reference_runner, prompts, want)
     candidate = teacher_forced_logprobs(runner, prompts, want)
-    kl = (reference.exp() * (reference - candidate)).sum(-1)
     return {
         "kv_cache_dtype": kv_cache_dtype,
         "greedy_agreement": round(greedy_agreement(want, got), 4),
-        "top1_agreement": round(float((candidate.argmax(-1) == reference.argmax(-1)).float().mean()), 4),
-        "mean_kl_nats": float(kl.mean()),
-        "max_kl_nats": float(kl.max()),
+        **logprob_agreement(reference, candidate),
     }
 
 

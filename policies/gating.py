@@ -18,8 +18,10 @@ candidate's accuracy against ``eager``. This module turns those plain numbers in
   ``min_speedup`` too. A candidate whose median wins but whose repeats scatter is refused;
   figures without repeats are refused;
 - **accuracy**: embeddings need a minimum cosine to eager of at least ``min_cosine`` (FP32) or
-  ``min_cosine_quantized`` (INT8); generation needs identical greedy tokens (FP32) or a top-1
-  agreement of at least ``min_top1_agreement`` (quantised);
+  ``min_cosine_quantized`` (INT8); generation needs identical greedy tokens (an exact kind,
+  near-ties allowed: :mod:`models.backends.decoder_gate`) or, for a lossy kind, teacher-forced
+  along eager's tokens, a top-1 agreement of at least ``min_top1_agreement`` and, where
+  measured, a mean KL to eager of at most ``max_mean_kl_nats``;
 - a candidate that could not be built or run (``error``) is refused.
 
 :func:`choose_backend` picks among the enabled candidates by a fixed preference
@@ -39,10 +41,16 @@ from dataclasses import dataclass, field
 
 BOOTSTRAP_RESAMPLES = 2000
 # Among enabled candidates, the order of preference when none is confidently faster than a
-# preferred one: ``compiled`` keeps eager's weights (no second copy in memory) and its exact
-# tokens, ``onnx-fp32`` is exact but holds its own copy of the weights, ``onnx-int8`` is an
-# approximation. Labels not listed come after, in name order.
-BACKEND_PREFERENCE = ("compiled", "onnx-fp32", "onnx-int8")
+# preferred one: exact kinds before lossy ones, and among those, fewer extra weight bytes first.
+# ``compiled`` keeps eager's weights (no second copy in memory) and its exact tokens,
+# ``onnx-fp32`` is exact but holds its own copy of the weights, ``lean`` is exact with fused
+# copies of the QKV and gate/up weights, ``lean-int4`` is exact from a GGUF Q4_1 source (its
+# blocks beside eager's float32 weights); then the approximations: ``onnx-int8``, ``lean-int8``
+# (float32 activations, exact on its int8 weights), and the bfloat16-activation kinds. Labels
+# not listed come after, in name order.
+BACKEND_PREFERENCE = (
+    "compiled", "onnx-fp32", "lean", "lean-int4", "onnx-int8", "lean-int8", "lean-int4-bf16", "lean-int8-bf16",
+)  # fmt: skip
 BOOTSTRAP_SEED = 0
 # A geometric mean of equal ratios may land an ulp below their value.
 _ROUND_OFF = 1e-12
@@ -61,6 +69,7 @@ class GateThresholds:
     min_top1_agreement: float = 0.99
     confidence: float = 0.95
     min_gain_over_preferred: float = 1.1
+    max_mean_kl_nats: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class Measurement:
         min_cosine: embeddings: the smallest cosine similarity to eager's embeddings.
         tokens_identical: generation, unquantised: greedy tokens equal eager's everywhere.
         top1_agreement: generation, quantised: share of positions whose argmax equals eager's.
+        mean_kl_nats: generation, quantised: mean KL(eager || candidate) per position, nats.
         error: why the candidate could not be built or run (then nothing else counts).
     """
 
@@ -88,6 +98,7 @@ class Measurement:
     min_cosine: float | None = None
     tokens_identical: bool | None = None
     top1_agreement: float | None = None
+    mean_kl_nats: float | None = None
     error: str | None = None
 
 
@@ -200,7 +211,11 @@ def _accuracy(m: Measurement, t: GateThresholds) -> tuple[bool, str]:
         return ok, f"min cosine {m.min_cosine:.5f} {'>=' if ok else '<'} {bound}"
     if m.quantized and m.top1_agreement is not None:
         ok = m.top1_agreement >= t.min_top1_agreement
-        return ok, f"top-1 agreement {m.top1_agreement:.2%} {'>=' if ok else '<'} {t.min_top1_agreement:.0%}"
+        reason = f"top-1 agreement {m.top1_agreement:.2%} {'>=' if ok else '<'} {t.min_top1_agreement:.0%}"
+        if m.mean_kl_nats is None:
+            return ok, reason
+        close = m.mean_kl_nats <= t.max_mean_kl_nats
+        return ok and close, f"{reason}, mean KL {m.mean_kl_nats:.5f} nats {'<=' if close else '>'} {t.max_mean_kl_nats}"
     if not m.quantized and m.tokens_identical is not None:
         return m.tokens_identical, "greedy tokens identical" if m.tokens_identical else "greedy tokens differ from eager"
     return False, "no accuracy measurement"

@@ -9,9 +9,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from gateway import gate
 from gateway.config import GateConfig, parse_config
+from models.backends.decoder_gate import NEAR_TIE_LOGPROB, greedy_near_ties
 from policies.gating import (
     GateThresholds,
     Measurement,
@@ -205,3 +207,51 @@ def test_a_challenger_whose_repeats_scatter_does_not_displace_the_preferred() ->
     assert choose_backend([scattered, compiled]) == "compiled"
     steady_faster = judge(steady("onnx-fp32", (10.0, 40.0), (3.0, 12.0), min_cosine=1.0), T)
     assert choose_backend([steady_faster, compiled]) == "onnx-fp32"
+
+
+FAST: dict[str, Any] = {"eager_ms": (20.0, 8.0, 30.0), "candidate_ms": (20.0, 4.0, 29.0)}
+
+
+def test_an_exact_lean_kind_with_one_differing_greedy_token_is_refused() -> None:
+    want, got = [[5, 6, 7], [1, 2, 3]], [[5, 6, 7], [1, 4, 3]]
+    reference = torch.full((6, 8), -5.0)  # [prompts * steps, vocab], grouped by prompt
+    reference[4, 2], reference[4, 4] = -0.1, -0.1 - NEAR_TIE_LOGPROB / 2  # prompt 1, step 1
+    assert greedy_near_ties(reference, want, want) == 0
+    assert greedy_near_ties(reference, want, got) == 1  # a near-tie: allowed, as in the engine tests
+    reference[4, 4] = -2.0
+    assert greedy_near_ties(reference, want, got) is None
+    refused = judge(steady("lean", tokens_identical=False, **FAST), T)
+    assert not refused.enabled and refused.reasons[1] == "greedy tokens differ from eager"
+    assert judge(steady("lean-int4", tokens_identical=True, **FAST), T).enabled
+
+
+def test_a_lossy_lean_kind_needs_top1_agreement_and_a_small_mean_kl() -> None:
+    def lossy(top1: float, kl: float, thresholds: GateThresholds = T) -> Verdict:
+        return judge(steady("lean-int8", quantized=True, top1_agreement=top1, mean_kl_nats=kl, **FAST), thresholds)
+
+    assert lossy(0.995, 0.01).enabled and "mean KL 0.01000 nats <= 0.02" in lossy(0.995, 0.01).reasons[1]
+    assert not lossy(0.98, 0.01).enabled
+    refused = lossy(0.995, 0.03)
+    assert not refused.enabled and "mean KL 0.03000 nats > 0.02" in refused.reasons[1]
+    assert not lossy(0.995, 0.01, GateThresholds(max_mean_kl_nats=0.005)).enabled
+    record = {"candidates": [{"backend": "lean-int8", "quantized": True, "top1_agreement": 0.995, "mean_kl_nats": 0.01, **FAST}]}
+    assert [v.enabled for v in gate.verdicts(record, GateConfig(max_mean_kl_nats=0.005, repeats=1))] == [False]
+
+
+def test_auto_picks_the_fastest_passing_lean_kind() -> None:
+    def timed(name: str, decode_ms: float, **fields: Any) -> Verdict:
+        return judge(steady(name, (20.0, 8.0, 30.0), (20.0, decode_ms, 29.0), **fields), T)
+
+    lean = timed("lean", 5.5, tokens_identical=True)
+    int4 = timed("lean-int4", 2.5, tokens_identical=True)
+    int8 = timed("lean-int8", 2.6, quantized=True, top1_agreement=0.995, mean_kl_nats=0.01)
+    inaccurate = timed("lean-int8-bf16", 1.0, quantized=True, top1_agreement=0.995, mean_kl_nats=0.5)
+    assert choose_backend([lean, int4, int8, inaccurate], T) == "lean-int4"
+    assert choose_backend([lean, int8], T) == "lean-int8"  # confidently faster than the exact one
+    assert choose_backend([int4, timed("lean-int8", 2.4, quantized=True, top1_agreement=1.0, mean_kl_nats=0.0)], T) == "lean-int4"
+
+
+@pytest.mark.parametrize("value", [0, -0.1, "much"])
+def test_a_bad_max_mean_kl_is_a_config_error_naming_the_key(value: object) -> None:
+    assert "gate.max_mean_kl_nats" in config_error({**make_config_data(), "gate": {"max_mean_kl_nats": value}})
+    assert "gate.candidates" in config_error({**make_config_data(), "gate": {"candidates": ["lean-int2"]}})

@@ -198,3 +198,14 @@ def test_without_the_kernel_the_products_run_torchs_ops(monkeypatch: pytest.Monk
         torch.testing.assert_close(linear.mm(x), x @ linear.dequantized().t(), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="kernel"):
         lean_linear.Int8Linear.from_blocks(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2))
+
+
+def test_the_decoder_gate_measures_lean_kinds_by_their_exactness(smollm2: Any) -> None:
+    from models.backends.decoder_gate import is_lossy, measure_decoder
+
+    model, prompts, _, _ = smollm2
+    assert not is_lossy("lean-int4", model) and not is_lossy("lean", model) and is_lossy("lean-int8", model)
+    exact, lossy = measure_decoder(model, [(1, 8), (2, 1)], 8, BLOCK_SIZE, ["lean", "lean-int8"], 2, prompts[:2], 4)
+    assert exact["quantized"] is False and exact["tokens_identical"] is True and "error" not in exact
+    assert lossy["quantized"] is True and lossy["top1_agreement"] >= INT8_MIN_TOP1_AGREEMENT
+    assert 0 <= lossy["mean_kl_nats"] <= INT8_MAX_MEAN_KL_NATS and len(lossy["candidate_repeats_ms"]) == 2
