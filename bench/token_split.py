@@ -35,7 +35,7 @@ from bench.decode_split import BLOCK_SIZE, SOURCE
 from buckets.continuous import ContinuousBatcher
 from buckets.request import GenerationRequest, RequestEvent
 from buckets.settings import ContinuousBatcherSettings
-from models import causal_lm
+import models.causal_lm as causal_lm
 from models.step_io import SamplingParams
 
 PROMPT = "Tell me a long story about a cat who learns to sail across the sea."
