@@ -197,7 +197,7 @@ def server_with(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
 
 
 @pytest.fixture(scope="session")
-def default_server(server_with: Callable[..., Server]) -> Server:
+def default_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
     """The server of the test config as it is."""
     return server_with()
 
@@ -220,7 +220,7 @@ def drain_retry_after(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def admin_server(server_with: Callable[..., Server]) -> Server:
+def admin_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
     """The test config with the admin API on (bearer ``ADMIN_TOKEN``) and ``drain_retry_after_s``
     set: shared by the modules that change models and knobs at run time (admin, bench tune,
     reconfiguration). Each leaves both models loaded with the test config's bucket names."""
@@ -238,7 +238,7 @@ def one_sequence_short_bucket(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def one_sequence_server(server_with: Callable[..., Server]) -> Server:
+def one_sequence_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
     """The server of :func:`one_sequence_short_bucket`'s config (metrics, deadlines and the
     structured-output compile timeout share it)."""
     return server_with(one_sequence_short_bucket)
@@ -258,7 +258,7 @@ def small_queues(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def small_queue_server(server_with: Callable[..., Server]) -> Server:
+def small_queue_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
     """The server of :func:`small_queues`'s config (admission and the dashboards share it)."""
     return server_with(small_queues)
 
@@ -275,7 +275,7 @@ def matryoshka_embedder(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def matryoshka_server(server_with: Callable[..., Server]) -> Server:
+def matryoshka_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
     """The server of :func:`matryoshka_embedder`'s config."""
     return server_with(matryoshka_embedder)
 
@@ -290,11 +290,19 @@ SHARED_SERVERS: dict[str, tuple[ConfigEdit | None, dict[str, str] | None]] = {
 }
 
 
-@pytest.fixture(scope="session", autouse=True)
+def uses_a_shared_server(item: pytest.Item) -> bool:
+    """Whether a collected test asks for one of :data:`SHARED_SERVERS` (directly or through
+    another fixture)."""
+    return bool(set(getattr(item, "fixturenames", ())) & SHARED_SERVERS.keys())
+
+
+@pytest.fixture(scope="session")
 def shared_servers_started_side_by_side(request: pytest.FixtureRequest, server_with: Callable[..., Server]) -> None:
-    """Start the shared servers the collected tests ask for side by side, before the first test
-    (a start is mostly one core's work: four took about 22 s one after another). A server that
-    fails to start fails the tests that use it, when they ask for it."""
+    """Start the shared servers the collected tests ask for side by side, on the first use of
+    any (a start is mostly one core's work: four took about 22 s one after another). Under
+    pytest-xdist every worker collects every test, but the modules using these servers run on
+    one worker (``xdist_group``, see ``tests/conftest.py``), so only that worker starts them. A
+    server that fails to start fails the tests that use it, when they ask for it."""
     needed = set().union(*(item.fixturenames for item in request.session.items))
     specs = [spec for name, spec in SHARED_SERVERS.items() if name in needed]
     if len(specs) > 1:
