@@ -67,6 +67,7 @@ def test_the_example_config_runs_the_chat_model_on_two_spread_replicas_and_embed
     assert isinstance(chat, RaySlice) and isinstance(embed, RaySlice)
     assert [r.name for r in chat.replicas] == ["chat-0", "chat-1"] and chat.placement.strategy == "SPREAD"
     assert embed.placement.custom_resources == {"embed_node": 1.0} and not chat.needs_weights
+    assert chat.placement.detached and actor_options(chat.placement, 0, "chat-0")["lifetime"] == "detached"
     assert actor_options(chat.placement, 1, "chat-1")["scheduling_strategy"] == "SPREAD"
     assert "scheduling_strategy" not in actor_options(embed.placement, 0, "embed-0")
 
