@@ -48,7 +48,7 @@ serve: $(SERVE_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m mypy
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=40
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=40
 
 bench: $(SERVE_STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/sluice bench engine --output bench-results/engine.json
