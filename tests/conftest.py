@@ -39,8 +39,10 @@ def _module(nodeid: str) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """In the controller (or a plain run), name the file the workers write the groups to."""
-    if not hasattr(config, "workerinput") and GROUPS_PATH_ENV not in os.environ:
+    """In the controller of a ``-n N`` run, name the file the workers write the groups to
+    (a plain run needs no groups)."""
+    is_controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if is_controller and GROUPS_PATH_ENV not in os.environ:
         handle, path = tempfile.mkstemp(prefix="sluice-test-groups-", suffix=".json")
         os.close(handle)
         os.environ[GROUPS_PATH_ENV] = path
