@@ -12,23 +12,31 @@ attribute pytest 9 no longer reads), so :func:`pytest_xdist_make_scheduler` retu
 scope scheduler with our groups as the scopes. The workers find the groups at collection (only
 they collect) and write them to a file the controller names in the environment.
 
-``make test`` runs serially: on a 2-core machine, quiet, two workers took 778 s against 803 s
-for one process. Serially the suite used 1.2 cores on average, but with two workers the
-CPU-bound tests slowed each other's torch threads (one structured-output test 10 s alone, 78 s
-beside another worker), which ate the gain.
+``make test`` runs two workers with ``OMP_WAIT_POLICY=PASSIVE``. torch's OpenMP threads spin
+for a while after each parallel region; beside another busy torch process (a second worker, a
+gateway an e2e test started) the spinning threads took the cores from the one with work: a
+structured-output test ran 24 s alone, 70 s beside a process multiplying matrices, 30 s with
+passive waits. On a 2-core machine the suite took 1,148 s in one process with spinning threads
+and 698 s on two workers with passive ones. The variable is set here too, for a plain
+``pytest`` run, where torch is not imported yet (the gateways the tests start inherit it).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-from pathlib import Path
-from typing import Any
+import sys
 
-import pytest
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests.e2e.conftest import uses_a_shared_server
+import json  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.e2e.conftest import uses_a_shared_server  # noqa: E402
 
 SHARED_GROUP = "shared-servers"
 GROUPS_PATH_ENV = "SLUICE_TEST_GROUPS_PATH"  # where the workers write {module: group}

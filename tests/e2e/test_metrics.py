@@ -19,8 +19,11 @@ from tests.e2e.conftest import EMBED_MODEL, GENERATE_MODEL, Server, async_wait_f
 
 GRAFANA = Path(__file__).parents[2] / "configs" / "grafana-dashboard.json"
 NUM_REQUESTS = 4
-# The client's clock starts before the request is sent and parsed; the server's at arrival.
+# The client's clock starts before the request is sent and parsed; the server's at arrival. Its
+# clock stops once the event loop has written the chunk; the server's when the worker thread saw the
+# token, so a busy loop (four streams, a CPU shared with the forward) widens the gap in proportion.
 MAX_CLIENT_SERVER_GAP_S = 0.15
+MAX_CLIENT_SERVER_GAP_RATIO = 0.1
 WAIT_S = 60.0
 EXPECTED = {
     "histogram": [
@@ -112,7 +115,10 @@ def test_ttft_and_queue_time_agree_with_the_client(metrics_url: str) -> None:
         f"TTFT sum over {NUM_REQUESTS} requests: client {sum(client_ttfts):.3f} s, server {server_ttft_s:.3f} s; "
         f"server queue time {server_queue_s:.3f} s"
     )
-    assert 0 <= sum(client_ttfts) - server_ttft_s <= NUM_REQUESTS * MAX_CLIENT_SERVER_GAP_S
+    # A server clock started at `started` (after the queue) would be short by the queue time, here
+    # most of the sum: far over this bound.
+    allowed_gap_s = NUM_REQUESTS * MAX_CLIENT_SERVER_GAP_S + MAX_CLIENT_SERVER_GAP_RATIO * sum(client_ttfts)
+    assert 0 <= sum(client_ttfts) - server_ttft_s <= allowed_gap_s
     # One sequence at a time: the later requests' TTFT is mostly waiting for the earlier ones.
     assert server_queue_s <= server_ttft_s
     assert server_queue_s >= 0.5 * server_ttft_s
