@@ -138,12 +138,15 @@ def _check_baseline(report: dict[str, Any], path: Path, tolerance: float) -> int
     return 0
 
 
-async def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every step of the sweep against the server; return the report (what results.json holds)."""
+async def run_sweep(args: argparse.Namespace, prompts: Iterator[tuple[str, int]] | None = None) -> dict[str, Any]:
+    """Run every step of the sweep against the server; return the report (what results.json holds).
+
+    ``prompts`` (endless ``(prompt, output length)`` pairs) replaces :func:`make_prompts`'s
+    (``sluice bench peers`` sends prompts cut to token counts)."""
     mode = "rate" if args.rate is not None else "concurrency"
     loads = args.rate if mode == "rate" else (args.concurrency or [1, 2, 4, 8, 16, 32, 64])
     rng = random.Random(args.seed)
-    prompts = make_prompts(args, rng)
+    prompts = make_prompts(args, rng) if prompts is None else prompts
     base_url = args.base_url.rstrip("/").removesuffix("/v1")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     steps = []

@@ -58,6 +58,7 @@ class Sender:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+        body.update(getattr(self.args, "extra_body", None) or {})  # a peer's own fields (bench peers)
         return body
 
     async def send(self, prompt: str, max_tokens: int) -> RequestResult:

@@ -115,7 +115,7 @@ def ray_placement(config: SliceConfig, ray: RayConfig | None) -> RayPlacement | 
     resources = config.resources or RayResourcesConfig()
     return RayPlacement(
         ray.address, resources.num_cpus, resources.num_gpus, dict(resources.custom), resources.node_id,
-        config.replicas, config.placement_strategy, ray.namespace,
+        config.replicas, config.placement_strategy, ray.namespace, ray.detached,
     )
 
 

@@ -1,5 +1,5 @@
 """The ``sluice`` command: ``sluice serve``, ``sluice prepare``, ``sluice bench engine``,
-``sluice bench load|tune|batching|output|logprobs``, ``sluice gate`` and ``sluice kv-plan``."""
+``sluice bench load|tune|batching|output|logprobs|peers``, ``sluice gate`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ BENCH_COMMANDS = (
     ("batching", "bench.batching_gain", "the same sweep batched and one request at a time, goodput ratio"),
     ("output", "bench.output_stage", "time per token outside the forward at output lengths 64, 512 and 2,048"),
     ("logprobs", "bench.logprobs_cost", "step time at 32 running sequences with and without logprobs"),
+    ("peers", "bench.peers", "Sluice, llama-server, vLLM CPU and transformers serve on one workload, side by side"),
 )
 
 

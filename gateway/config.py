@@ -294,6 +294,12 @@ class RayConfig(_Strict):
     address: str = Field(min_length=1)
     # The Ray namespace of the slices' actors (two gateways on one cluster share it).
     namespace: str = Field(default="sluice", min_length=1)
+    # true: the slices' actors are detached and named after the slice and replica: every gateway
+    # of the same config on this cluster and namespace shares them, they outlive the gateways,
+    # and a restarted gateway attaches to them again instead of loading the models. A detached
+    # actor running another config is refused (kill it or use another namespace). false: each
+    # gateway owns its actors; they die with it.
+    detached: bool = False
 
 
 class GatewayConfig(_Strict):

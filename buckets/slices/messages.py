@@ -17,7 +17,8 @@ Worker -> gateway:
     ``("rebuilt", key, backend_info, None)`` or ``("rebuilt", key, None, error)``.
 
 A ``key`` is ``(model name, bucket name, layout number)``; ``request_no`` is the gateway's number for one
-request in flight (unique for the gateway process's life). Times are ``time.monotonic()``
+request in flight (unique for the gateway process's life; a Ray actor shared by several gateways
+makes it ``(channel_id, request_no)`` for its host, :mod:`buckets.slices.ray_channels`). Times are ``time.monotonic()``
 seconds, which on Linux is one clock for every process on the machine.
 """
 

@@ -6,7 +6,10 @@ runs the same worker main, so requests, events with their timeline stamps, cance
 deadlines, stats and rebuilds cross as they do for a process slice, and the supervision is the
 same: when an actor or its node dies, its requests in flight fail with
 :class:`~buckets.errors.WorkerCrashedError` and the gateway creates a new actor (with backoff),
-which loads the models from its node's files again.
+which loads the models from its node's files again. With ``placement.detached`` the actors are
+detached and shared: named after the slice and the replica, they serve every gateway of the same
+config in the namespace (each on a channel of its own), a gateway's stop closes its channel only,
+and a restarted gateway attaches again to the actors still alive, which load nothing.
 
 :class:`RaySlice` is the slice the engine sees: it attaches every bucket to every replica and
 routes each request to one replica with :class:`~policies.replica_routing.ReplicaRouter` (power
@@ -19,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +32,16 @@ from buckets.request import Request
 from buckets.settings import ContinuousBatcherSettings
 from buckets.slices.messages import Message
 from buckets.slices.process import RETRY_AFTER_S, ProcessSlice
-from buckets.slices.ray_actor import ActorConnection, ActorProcess, RayPlacement, actor_class, actor_options, connect
+from buckets.slices.ray_actor import (
+    CHANNEL_LEASE_S,
+    ActorConnection,
+    ActorProcess,
+    RayPlacement,
+    actor_class,
+    actor_options,
+    connect,
+)
+from buckets.slices.ray_channels import actor_name, config_fingerprint
 from buckets.slices.remote import InFlight
 from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState
 from buckets.slices.worker import WorkerProcess
@@ -79,13 +92,17 @@ class RayReplica(ProcessSlice):
 
     def describe(self) -> dict[str, Any]:
         """The process slice's description plus the actor's ``node_id`` and ``node_ip``, the
-        requests sent to it and those still in flight, and its buckets' prefix-cache hits (in blocks)."""
+        requests sent to it and those still in flight, its buckets' prefix-cache hits (in blocks),
+        and of its actor: ``actor_name``, ``actor_loads`` (worker mains it started: 1) and
+        ``attached_to_running`` (this gateway found it serving already: nothing was loaded)."""
         worker = self._worker
         where = worker.process.where if worker is not None else {}
         hits = sum(bucket.stats.prefix_cache_hits for bucket in self._buckets.values())
         return {
             **super().describe(), "node_id": where.get("node_id"), "node_ip": where.get("node_ip"),
             "num_submitted": self.num_submitted, "num_in_flight": self.num_in_flight, "prefix_cache_hits": hits,
+            "actor_name": self.name, "actor_loads": where.get("num_loads"),
+            "attached_to_running": where.get("num_attaches", 0) > 1,
         }
 
     def load(self) -> ReplicaLoad:
@@ -96,17 +113,34 @@ class RayReplica(ProcessSlice):
         return ReplicaLoad(queued, running)
 
     def _spawn(self) -> tuple[Any, Any]:
-        """Create the actor, start the worker main in it and open its stream."""
+        """Create the actor (or, detached, find it), attach a channel of this gateway to it (the
+        first attach starts the worker main) and open the channel's stream.
+
+        Raises:
+            RuntimeError: the detached actor of this name runs another config (its models or
+                buckets differ): refused, since replacing it would drop what it serves for the
+                gateways of that config.
+        """
         import ray
 
+        args = self._worker_args()
+        fingerprint = config_fingerprint(args[0], args[1])
         actor = actor_class().options(**actor_options(self.placement, self.index, self.name)).remote()
-        actor.run.remote(self._target, self._worker_args())
-        process = ActorProcess(actor)
+        process = ActorProcess(actor, uuid.uuid4().hex, self.placement.detached)
+        lease_s = CHANNEL_LEASE_S if self.placement.detached else None
         try:
-            process.where = ray.get(actor.where.remote(), timeout=self.start_timeout_s)
+            process.where = ray.get(
+                actor.attach.remote(process.channel_id, fingerprint, self._target, args, lease_s), timeout=self.start_timeout_s,
+            )
         except ray.exceptions.RayError as exc:
             process.error = f"{type(exc).__name__}: {exc}"
-        return process, ActorConnection(process, actor.events.remote())
+        if process.where and not process.where["attached"]:
+            raise RuntimeError(
+                f"the detached Ray actor {self.name!r} in namespace {self.placement.namespace!r} runs another config "
+                f"(fingerprint {process.where['fingerprint']}, this config's {fingerprint}); kill it "
+                f"(ray.kill(ray.get_actor({self.name!r}, namespace={self.placement.namespace!r}))) or set another ray.namespace"
+            )
+        return process, ActorConnection(process, actor.events.remote(process.channel_id))
 
     def _dispatch(self, worker: WorkerProcess, message: Message) -> None:
         if message[0] == "dequeued":
@@ -153,7 +187,7 @@ class RaySlice:
         self.num_threads = num_threads
         self.placement = placement
         self.replicas = [
-            RayReplica(f"{name}-{i}", device, num_threads, target, worker_args, placement, i, self._on_stats)
+            RayReplica(actor_name(name, i), device, num_threads, target, worker_args, placement, i, self._on_stats)
             for i in range(placement.replicas)
         ]
         self._router = router or ReplicaRouter()

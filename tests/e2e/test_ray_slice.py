@@ -7,7 +7,10 @@ server: the chat model on a Ray slice of two replicas spread over the two nodes 
 completions must match between the Ray and the thread slice; load must spread over the two
 replicas and a shared prefix must stay on one; killing a replica's actor (SIGKILL) or removing
 its node must fail only its requests (503 ``worker_crashed``), quickly, and the replica must
-come back. If Ray cannot start here, the module fails (it never skips).
+come back. Two more gateways of one small config (the chat model on one detached replica) share
+that replica's actor: both serve the same greedy output, one stopping (SIGTERM) or killed
+(SIGKILL) loses nothing on the other and leaves no KV block taken, and a restarted one attaches
+to the actor without loading it again. If Ray cannot start here, the module fails (it never skips).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from buckets.slices.ray_slice import RaySlice
 from buckets.slices.slice import SliceState
 from gateway.config import parse_config
 from gateway.slice_worker import run_slice_worker
-from tests.e2e.conftest import EMBED_MODEL, GENERATE_MODEL, run_server, wait_for
+from tests.e2e.conftest import EMBED_MODEL, GENERATE_MODEL, run_server, run_server_process, wait_for
 
 from tests.e2e.test_process_slices import (
     CLIENT_TIMEOUT_S,
@@ -344,3 +347,109 @@ def test_a_model_source_missing_on_the_actors_node_is_a_clear_error_at_start(clu
         assert lost.state is SliceState.FAILED
     finally:
         ray.shutdown()
+
+
+SHARED_NAMESPACE = "sluice-shared"  # apart from the module server's actors
+
+
+@pytest.fixture(scope="module")
+def shared_config(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A config of the chat model alone, on one detached replica (no CPU reserved: the module's
+    server holds the nodes' CPUs), and the folder for the gateways' logs."""
+    continuous = {"kind": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 256}
+    config = {
+        "slices": [{"name": "shared", "isolation": "ray", "resources": {"num_cpus": 0}, "device": "cpu",
+                    "num_threads": 1, "kv_cache_memory_bytes": "32MiB"}],
+        "models": [{"name": GENERATE_MODEL, "source": GENERATE_SOURCE, "task": "generate", "max_model_len": 256,
+                    "buckets": [{"max_input_tokens": 256, "batcher": continuous, "slice": "shared"}]}],
+        "admin_allow_loopback_without_token": True,
+        "ray": {"address": cluster.address, "namespace": SHARED_NAMESPACE, "detached": True},
+    }
+    folder = tmp_path_factory.mktemp("ray_shared")
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    return folder / "config.yaml", folder
+
+
+@pytest.fixture(scope="module")
+def gateway_a(shared_config: tuple[Path, Path]) -> Iterator[tuple[str, float]]:
+    """The first gateway of the shared config (it creates the actor, which loads the model), and
+    the seconds it took to answer /health."""
+    path, folder = shared_config
+    started = time.monotonic()
+    with run_server(path, folder / "a.log", env={"SLUICE_ADMIN_TOKEN": ""}) as url:
+        yield url, time.monotonic() - started
+
+
+def _actor(url: str) -> dict[str, Any]:
+    return _all_ready(url, "shared")["replicas"][0]
+
+
+def _finish_on_a_while_b_goes(url_a: str, url_b: str, stop_b: Any) -> list[int]:
+    """Two long requests on each gateway; once all four run in the shared actor, ``stop_b()``.
+    Returns the statuses of gateway A's requests (B's end however B's going ends them)."""
+    body = {**LONG_BODY, "model": GENERATE_MODEL, "max_tokens": 120}
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as client:
+            on_a = [asyncio.create_task(client.post(f"{url_a}/v1/completions", json=body)) for _ in range(2)]
+            on_b = [asyncio.create_task(client.post(f"{url_b}/v1/completions", json=body)) for _ in range(2)]
+            deadline = time.monotonic() + CLIENT_TIMEOUT_S
+            while _bucket_stats(url_a)["num_running"] < 4:  # the actor's stats: both gateways' requests
+                assert time.monotonic() < deadline and not any(t.done() for t in on_a + on_b)
+                await asyncio.sleep(0.05)
+            stop_b()
+            await asyncio.gather(*on_b, return_exceptions=True)
+            return [response.status_code for response in await asyncio.gather(*on_a)]
+
+    return asyncio.run(run())
+
+
+def _blocks_all_back(url: str) -> dict[str, Any]:
+    return wait_for(
+        lambda: (s := _bucket_stats(url))["kv_blocks_used"] == 0 and s["num_running"] == 0 and s, 60,
+        "every KV block of the shared actor free again",
+    )
+
+
+def test_two_gateways_of_one_config_share_its_detached_actor_and_one_stopping_loses_nothing_on_the_other(
+    gateway_a: tuple[str, float], shared_config: tuple[Path, Path],
+) -> None:
+    url_a, _ = gateway_a
+    path, folder = shared_config
+    with run_server_process(path, folder / "b.log", env={"SLUICE_ADMIN_TOKEN": ""}) as (url_b, process_b):
+        actor_a, actor_b = _actor(url_a), _actor(url_b)
+        assert actor_a["worker_pid"] == actor_b["worker_pid"] and actor_b["actor_loads"] == 1
+        assert actor_b["attached_to_running"] and actor_b["actor_name"] == "shared-0"
+        outputs = []
+        for url in (url_a, url_b):
+            with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+                outputs.append(_greedy(client, GENERATE_MODEL)[0])
+        assert outputs[0] == outputs[1] and outputs[0][0]
+        statuses = _finish_on_a_while_b_goes(url_a, url_b, process_b.terminate)
+        assert process_b.wait(60) is not None
+    assert statuses == [200, 200]
+    _blocks_all_back(url_a)  # B's requests finished or were cancelled when its channel closed
+    assert _actor(url_a)["worker_pid"] == actor_a["worker_pid"]  # the actor stayed
+
+
+def test_a_restarted_gateway_attaches_to_the_detached_actor_without_loading_it_again(
+    gateway_a: tuple[str, float], shared_config: tuple[Path, Path],
+) -> None:
+    """Gateway B again (after the test above stopped it): it finds the actor serving and loads
+    nothing; then B is killed (SIGKILL) with requests in flight: A's requests all succeed and
+    every KV block of the actor comes back."""
+    url_a, first_start_s = gateway_a
+    path, folder = shared_config
+    pid = _actor(url_a)["worker_pid"]
+    started = time.monotonic()
+    with run_server_process(path, folder / "b2.log", env={"SLUICE_ADMIN_TOKEN": ""}) as (url_b, process_b):
+        restart_s = time.monotonic() - started
+        print(f"/health: the first gateway in {first_start_s:.1f} s (the actor loaded), the restarted one in {restart_s:.1f} s")
+        actor = _actor(url_b)
+        assert actor["worker_pid"] == pid and actor["actor_loads"] == 1 and actor["attached_to_running"]
+        response = httpx.post(f"{url_b}/v1/completions", json={**LONG_BODY, "max_tokens": 4}, timeout=CLIENT_TIMEOUT_S)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        statuses = _finish_on_a_while_b_goes(url_a, url_b, process_b.kill)
+    assert statuses == [200, 200]
+    _blocks_all_back(url_a)
+    assert _actor(url_a)["worker_pid"] == pid

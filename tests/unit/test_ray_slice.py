@@ -14,7 +14,8 @@ import pytest
 
 from buckets.errors import SliceUnavailableError
 from buckets.settings import ContinuousBatcherSettings
-from buckets.slices.ray_actor import ActorInbox, RayPlacement, actor_options
+from buckets.slices.ray_actor import RayPlacement, actor_options
+from buckets.slices.ray_channels import ActorInbox, actor_name, config_fingerprint
 from buckets.slices.ray_slice import RaySlice, merge_stats
 from buckets.slices.slice import SliceState
 from buckets.stats import Counters
@@ -66,6 +67,7 @@ def test_the_example_config_runs_the_chat_model_on_two_spread_replicas_and_embed
     assert isinstance(chat, RaySlice) and isinstance(embed, RaySlice)
     assert [r.name for r in chat.replicas] == ["chat-0", "chat-1"] and chat.placement.strategy == "SPREAD"
     assert embed.placement.custom_resources == {"embed_node": 1.0} and not chat.needs_weights
+    assert chat.placement.detached and actor_options(chat.placement, 0, "chat-0")["lifetime"] == "detached"
     assert actor_options(chat.placement, 1, "chat-1")["scheduling_strategy"] == "SPREAD"
     assert "scheduling_strategy" not in actor_options(embed.placement, 0, "embed-0")
 
@@ -146,15 +148,79 @@ def test_the_bucket_stats_admission_sees_are_the_sum_over_the_replicas() -> None
 
 def test_the_actor_inbox_hands_the_gateways_messages_over_in_the_order_they_were_sent() -> None:
     inbox = ActorInbox()
-    inbox.put(1, ("cancel", 7, "gone"))
-    inbox.put(0, ("submit", KEY, {}))
-    assert inbox.recv() == ("submit", KEY, {}) and inbox.recv() == ("cancel", 7, "gone")
+    inbox.open("gw")
+    inbox.put("gw", 1, ("cancel", 7, "gone"))
+    inbox.put("gw", 0, ("submit", KEY, {"request_no": 7}))
+    assert inbox.recv() == ("submit", KEY, {"request_no": ("gw", 7)}) and inbox.recv() == ("cancel", ("gw", 7), "gone")
     received: list[Any] = []
     reader = threading.Thread(target=lambda: received.append(inbox.recv()))
     reader.start()
-    inbox.put(2, ("stop",))
+    inbox.put("gw", 2, ("stop",))
     reader.join(5)
     assert received == [("stop",)]
-    inbox.close()
+    inbox.send(None)
     with pytest.raises(EOFError):
         inbox.recv()
+    assert inbox.num_channels == 0
+
+
+def drained(outbox: Any) -> list[Any]:
+    items = []
+    while not outbox.empty():
+        items.append(outbox.get_nowait())
+    return items
+
+
+def test_two_gateways_request_numbers_never_collide_and_each_gets_its_own_events() -> None:
+    inbox = ActorInbox(shared=True)
+    inbox.send(("ready", 99, {KEY: {"backend": "eager"}}))
+    for gateway in ("a", "b"):
+        inbox.open(gateway)
+        inbox.put(gateway, 0, ("submit", KEY, {"request_no": 0}))
+    assert [inbox.recv()[2]["request_no"] for _ in range(2)] == [("a", 0), ("b", 0)]
+    a_out, b_out = inbox.outbox("a"), inbox.outbox("b")
+    inbox.send(("event", ("b", 0), ("token",), {}, [(1, 2)]))  # b's request finished
+    inbox.send(("stats", {}, 1.0, 0.5))
+    inbox.send(("rebuilt", KEY, {"backend": "lean"}, None))
+    assert drained(a_out) == [("ready", 99, {KEY: {"backend": "eager"}}), ("stats", {}, 1.0, 0.5), ("rebuilt", KEY, {"backend": "lean"}, None)]
+    assert drained(b_out)[1] == ("event", 0, ("token",), {}, [(1, 2)])
+    inbox.open("late")  # told at once that the worker is ready, with the rebuilt backend
+    assert drained(inbox.outbox("late")) == [("ready", 99, {KEY: {"backend": "lean"}})]
+    inbox.put("a", 1, ("stop",))  # on a shared actor: a's channel closes, its request is cancelled
+    assert inbox.recv() == ("cancel", ("a", 0), "cancelled") and drained(a_out) == [None]
+    inbox.close_channel("b")  # nothing in flight: nothing to cancel
+    assert drained(b_out) == [None] and inbox.num_channels == 1
+    inbox.send(("event", ("a", 0), ("error", "CancelledError", "x"), {}, []))  # a's is gone: dropped
+    assert drained(inbox.outbox("late")) == []
+
+
+def test_a_channel_whose_gateway_stops_renewing_its_lease_is_closed() -> None:
+    now = [0.0]
+    inbox = ActorInbox(shared=True, clock=lambda: now[0])
+    inbox.open("alive")
+    inbox.open("dead")
+    inbox.put("dead", 0, ("submit", KEY, {"request_no": 3}))
+    assert inbox.recv()[0] == "submit"
+    now[0] = 8.0
+    inbox.renew("alive")
+    assert inbox.expire(5.0) == ["dead"] and inbox.recv() == ("cancel", ("dead", 3), "cancelled")
+    now[0] = 12.0
+    assert inbox.expire(5.0) == [] and inbox.num_channels == 1
+
+
+def test_detached_actors_are_named_per_replica_and_fingerprinted_by_the_models_they_run() -> None:
+    placement = RayPlacement("127.0.0.1:6379", namespace="prod", detached=True)
+    options = actor_options(placement, 1, actor_name("r", 1))
+    assert (options["name"], options["namespace"], options["lifetime"], options["get_if_exists"]) == ("r-1", "prod", "detached", True)
+    assert "lifetime" not in actor_options(RayPlacement("127.0.0.1:6379"), 0, "r-0")
+    data = ray_config()
+    data["slices"].append({"name": "t"})
+    data["models"].append({"name": "other", "source": "/models/o", "task": "embed", "max_model_len": 16,
+                           "buckets": [{"max_input_tokens": 16, "batcher": {"kind": "dynamic"}, "slice": "t"}]})
+    base = config_fingerprint(parse_config(data).model_dump(mode="json"), "r")
+    data["models"][1]["dtype"] = "float16"  # a model on another slice
+    data["slices"][0]["replicas"] = 3  # a scaled slice keeps its actors
+    assert config_fingerprint(parse_config(data).model_dump(mode="json"), "r") == base
+    data["models"][0]["buckets"][0]["batcher"]["block_size"] = 8
+    assert config_fingerprint(parse_config(data).model_dump(mode="json"), "r") != base
+    assert parse_config({**ray_config(), "ray": {"address": "auto", "detached": True}}).ray.detached  # type: ignore[union-attr]
