@@ -203,7 +203,7 @@ def server_spec(kind: PeerKind, sluice: dict[str, Any], args: argparse.Namespace
     if kind is PeerKind.SLUICE:
         argv = [sys.executable, "-m", "gateway", "serve", "--config", sluice["config"], *host, "--log-level", "warning"]
         version = {"commit": _git_commit(), "config": sluice["config"], "backends": sluice["backends"]}
-        return ServerSpec(kind, argv, url, sluice["model"], "/health", {"PYTHONPATH": str(ROOT)}, {}, version)
+        return ServerSpec(kind, argv, url, sluice["model"], "/health?verbose=1", {"PYTHONPATH": str(ROOT)}, {}, version, True)
     if kind is PeerKind.LLAMA_SERVER:
         binary = llama_server_binary(args.cache_dir, log_path)
         slots = sluice["max_num_seqs"]

@@ -86,7 +86,10 @@ class ServerSpec:
 
     ``model`` is the name sent in each request; ``extra_body`` the fields merged into every
     request body (a peer's own way to ignore end-of-sequence); ``ready_path`` answers 200 once
-    the server serves; ``version`` what is recorded about the system.
+    the server serves; ``version`` what is recorded about the system. ``settled_gates``
+    (Sluice): ready also waits until no ``auto`` bucket's backend gate is still pending, running
+    or building (``/health?verbose``'s ``gates``), so the sweep measures the backend the gate
+    chose, not eager beside a gate's own measuring.
     """
 
     kind: PeerKind
@@ -97,6 +100,20 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
     version: dict[str, Any] = field(default_factory=dict)
+    settled_gates: bool = False
+
+
+UNSETTLED_GATE_STATES = ("pending", "running", "building")  # gateway.runners.GateState values
+
+
+def is_ready(spec: ServerSpec, response: httpx.Response) -> bool:
+    """Whether ``response`` (to ``spec.ready_path``) says the server is ready to be measured."""
+    if response.status_code != 200:
+        return False
+    if not spec.settled_gates:
+        return True
+    gates = response.json().get("gates", [])
+    return all(gate["state"] not in UNSETTLED_GATE_STATES for gate in gates)
 
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
@@ -262,7 +279,7 @@ def start_server(spec: ServerSpec, log_path: Path, cwd: Path) -> subprocess.Pope
 
 
 def wait_ready(spec: ServerSpec, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> float:
-    """Poll ``spec.ready_path`` until it answers 200; return the seconds it took.
+    """Poll ``spec.ready_path`` until it answers ready (:func:`is_ready`); return the seconds it took.
 
     Raises:
         PeerError: the process exited first (a signal's name included, e.g. SIGILL), or
@@ -275,7 +292,7 @@ def wait_ready(spec: ServerSpec, proc: subprocess.Popen[bytes], log_path: Path, 
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             raise PeerError(f"{spec.kind.value} exited before serving ({how})\n{log_tail(log_path)}")
         try:
-            if httpx.get(spec.base_url + spec.ready_path, timeout=5).status_code == 200:
+            if is_ready(spec, httpx.get(spec.base_url + spec.ready_path, timeout=5)):
                 return time.monotonic() - started
         except httpx.HTTPError:
             pass

@@ -6,9 +6,11 @@ import argparse
 import json
 from typing import Any
 
+import httpx
+
 from bench import peers_report
 from bench.peers import add_arguments
-from bench.peers_systems import PeerKind, cpu_flags, llama_cache_key, log_tail
+from bench.peers_systems import PeerKind, ServerSpec, cpu_flags, is_ready, llama_cache_key, log_tail
 from gateway.cli import build_parser
 
 
@@ -100,3 +102,18 @@ def test_cli_registers_bench_peers_with_every_system_by_default() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args([]).concurrency == "1,4,16,32"
+
+
+def test_sluice_is_ready_only_once_no_gate_is_pending_running_or_building() -> None:
+    sluice = ServerSpec(PeerKind.SLUICE, [], "http://127.0.0.1:1", "m", "/health?verbose=1", settled_gates=True)
+    peer = ServerSpec(PeerKind.LLAMA_SERVER, [], "http://127.0.0.1:1", "m", "/health")
+
+    def health(*states: str, status: int = 200) -> httpx.Response:
+        return httpx.Response(status, json={"status": "ok", "gates": [{"model": "m", "bucket": "b", "state": s} for s in states]})
+
+    for unsettled in ("pending", "running", "building"):
+        assert not is_ready(sluice, health("done", unsettled))
+    assert is_ready(sluice, health("done", "off", "failed", "dropped"))
+    assert is_ready(sluice, health())
+    assert not is_ready(sluice, health(status=503))
+    assert is_ready(peer, health("running")) and not is_ready(peer, health(status=503))
