@@ -57,6 +57,8 @@ class FuzzRecord:
 
     statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
     server_errors: list[str] = field(default_factory=list)
+    # The error messages of the schema-valid bodies that were refused, per operation and status.
+    refusals: Counter[tuple[str, int, str]] = field(default_factory=Counter)
 
     @property
     def num_requests(self) -> int:
@@ -120,6 +122,8 @@ def _sender(server: FuzzServer, session: requests.Session, record: FuzzRecord, m
         response = case.call(base_url=server.url, session=session, timeout=REQUEST_TIMEOUT_S)
         record.statuses[(case.operation.label, response.status_code)] += 1
         body = None if isinstance(case.body, NotSet) else case.body
+        if mode == "positive" and 400 <= response.status_code < 500:
+            record.refusals[(case.operation.label, response.status_code, _error_message(response))] += 1
         if response.status_code >= 500 and not _own_deadline(body, response):
             # The body itself, not a curl command: schemathesis masks fields like "max_tokens" there.
             record.server_errors.append(
@@ -128,6 +132,15 @@ def _sender(server: FuzzServer, session: requests.Session, record: FuzzRecord, m
             )
 
     return send
+
+
+def _error_message(response: requests.Response) -> str:
+    """The OpenAI-style body's ``error.message``, cut to 120 characters (the text when not JSON)."""
+    try:
+        message = str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = response.text
+    return message[:120]
 
 
 def _own_deadline(body: object, response: requests.Response) -> bool:
@@ -184,4 +197,5 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
     assert record.num_requests >= MIN_NUM_REQUESTS, summary
     for path in POST_PATHS:
         num_ok = sum(n for (label, status), n in record.statuses.items() if label == f"POST {path}" and status == 200)
-        assert num_ok > 0, f"no generated body for {path} was served: {summary}"
+        refused = [(status, message, n) for (label, status, message), n in record.refusals.most_common() if label == f"POST {path}"]
+        assert num_ok > 0, f"no generated body for {path} was served: {summary}; the valid bodies' refusals: {refused[:15]}"
