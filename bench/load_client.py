@@ -58,7 +58,12 @@ class Sender:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
-        body.update(getattr(self.args, "extra_body", None) or {})  # a peer's own fields (bench peers)
+        # A peer's own fields (bench peers); a None value removes a field the peer refuses.
+        for key, value in (getattr(self.args, "extra_body", None) or {}).items():
+            if value is None:
+                body.pop(key, None)
+            else:
+                body[key] = value
         return body
 
     async def send(self, prompt: str, max_tokens: int) -> RequestResult:

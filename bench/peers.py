@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to serve (900)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"builds and venvs (default {DEFAULT_CACHE})")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "peers", help="results folder (default docs/peers)")
+    parser.add_argument(
+        "--keep-others", action="store_true",
+        help="keep the records of the systems not in --systems from the results.json in --output (same workload "
+        "and CPU only), to measure one system again",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +88,13 @@ def run(args: argparse.Namespace) -> int:
     sluice = sluice_setup(args.config)
     texts, summary = workload_texts(sluice["folder"], args)
     logs = args.output / "logs"
-    systems: dict[str, dict[str, Any]] = {}
+    workload = {**summary, "output_tokens": args.output_tokens, "step_duration_s": args.duration,
+                "concurrency": concurrencies, "endpoint": "completions"}
+    try:
+        systems = kept_records(args.output / "results.json", kinds, workload) if args.keep_others else {}
+    except ValueError as exc:
+        print(f"sluice bench peers: error: --keep-others: {exc}", file=sys.stderr)
+        return 2
     for kind in kinds:
         print(f"== {kind.value}", file=sys.stderr)
         systems[kind.value] = measure_system(kind, sluice, texts, concurrencies, args, logs)
@@ -95,14 +106,32 @@ def run(args: argparse.Namespace) -> int:
         "cpu": {"model_name": cpu_model_name(), "num_cores": os.cpu_count(), "flags": cpu_flags(),
                 "key_flags": [f for f in KEY_FLAGS if f in cpu_flags()]},
         "model": sluice["model"],
-        "workload": {**summary, "output_tokens": args.output_tokens, "step_duration_s": args.duration,
-                     "concurrency": concurrencies, "endpoint": "completions"},
+        "workload": workload,
         "systems": systems,
         "ratios": peers_report.headline_ratios(systems),
         "ratio_table": peers_report.ratio_table(systems, concurrencies),
     }
     write_results(results, args.output)
     return 0
+
+
+def kept_records(path: Path, measured: list[PeerKind], workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The records in the results file ``path`` of the systems not in ``measured``, each marked
+    with the run it comes from (``kept_from``: that run's ``finished_at``).
+
+    Raises:
+        ValueError: no such file, or it was measured on another workload or CPU.
+    """
+    if not path.exists():
+        raise ValueError(f"no {path} to keep records from")
+    earlier = json.loads(path.read_text())
+    if earlier["workload"] != workload or earlier["cpu"]["flags"] != cpu_flags():
+        raise ValueError(f"{path} was measured on another workload or CPU")
+    names = {kind.value for kind in measured}
+    return {
+        name: {**record, "kept_from": record.get("kept_from", earlier["finished_at"])}
+        for name, record in earlier["systems"].items() if name not in names
+    }
 
 
 def write_results(results: dict[str, Any], folder: Path) -> None:
@@ -226,7 +255,10 @@ def server_spec(kind: PeerKind, sluice: dict[str, Any], args: argparse.Namespace
     version = {"transformers": installed_version(Path(sys.executable), "transformers"),
                "torch": installed_version(Path(sys.executable), "torch")}
     env = {"OMP_NUM_THREADS": threads, "PYTHONPATH": str(transformers_serve_extra(args.cache_dir, log_path))}
-    return ServerSpec(kind, argv, url, sluice["folder"], "/v1/models", env, {"generation_config": no_eos}, version)
+    # transformers serve refuses fields it does not know (422 on ignore_eos): the generation
+    # config without an EOS token stands for it.
+    extra_body = {"generation_config": no_eos, "ignore_eos": None}
+    return ServerSpec(kind, argv, url, sluice["folder"], "/v1/models", env, extra_body, version)
 
 
 def _free_port() -> int:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from bench import peers_report
 from bench.peers import add_arguments
@@ -117,3 +118,21 @@ def test_sluice_is_ready_only_once_no_gate_is_pending_running_or_building() -> N
     assert is_ready(sluice, health())
     assert not is_ready(sluice, health(status=503))
     assert is_ready(peer, health("running")) and not is_ready(peer, health(status=503))
+
+
+def test_keep_others_keeps_the_unmeasured_systems_of_the_same_workload_and_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from bench.peers import kept_records
+
+    workload = {"num_prompts": 512, "output_tokens": 128, "concurrency": [1, 16]}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"finished_at": "2026-12-02T03:00:00+00:00", "workload": workload,
+                                "cpu": {"flags": cpu_flags()}, "systems": systems()}))
+    kept = kept_records(path, [PeerKind.TRANSFORMERS], workload)
+    assert sorted(kept) == ["llama-server", "sluice", "vllm"]
+    assert kept["sluice"]["steps"] == systems()["sluice"]["steps"]
+    assert {r["kept_from"] for r in kept.values()} == {"2026-12-02T03:00:00+00:00"}
+    for other in ({**workload, "output_tokens": 64},):
+        with pytest.raises(ValueError, match="another workload"):
+            kept_records(path, [PeerKind.TRANSFORMERS], other)
+    with pytest.raises(ValueError, match="no "):
+        kept_records(tmp_path / "none.json", [PeerKind.SLUICE], workload)
