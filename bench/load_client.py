@@ -104,7 +104,10 @@ async def _read_whole(response: httpx.Response, result: RequestResult, start: fl
 
 
 async def _read_stream(response: httpx.Response, result: RequestResult, start: float) -> None:
-    """Fill ``result`` from a streamed response: status, headers, content-chunk times, usage."""
+    """Fill ``result`` from a streamed response: status, headers, content-chunk times, usage.
+
+    A stream is whole at ``data: [DONE]``, or, for servers that never send it (``transformers
+    serve``), when it closes after content and a chunk with a ``finish_reason``."""
     result.status = response.status_code
     if response.status_code != 200:
         body = await response.aread()
@@ -113,6 +116,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult, start: f
     _read_headers(response.headers, result)
     last = None
     num_chunks = 0
+    finished = False
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -127,6 +131,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult, start: f
         if chunk.get("usage"):
             result.num_output_tokens = chunk["usage"].get("completion_tokens") or num_chunks
             result.num_prompt_tokens = chunk["usage"].get("prompt_tokens")
+        finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or [])
         if _has_content(chunk):
             now = time.perf_counter()
             num_chunks += 1
@@ -137,6 +142,8 @@ async def _read_stream(response: httpx.Response, result: RequestResult, start: f
             last = now
     if not result.num_output_tokens:
         result.num_output_tokens = num_chunks
+    if not result.ok and finished and result.ttft_s is not None:
+        result.ok = True
     if not result.ok and result.error is None:
         result.error = "stream ended without [DONE] or content"
 

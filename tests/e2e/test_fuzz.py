@@ -39,6 +39,17 @@ POST_MODELS = {
     "/tokenize": GENERATE_MODEL, "/detokenize": EMBED_MODEL,
 }
 POST_PATHS = tuple(POST_MODELS)
+# A small valid body per POST route: each must be served by the fuzz server, before and after
+# the fuzz. Schema-valid generated bodies are mostly refused for what the schema cannot say (an
+# empty prompt, a token id outside the vocabulary), and which few of one route's are served
+# varies between runs (schemathesis' draws follow set order, so the process's hash seed).
+MINIMAL_BODIES = {
+    "/v1/completions": {"model": GENERATE_MODEL, "prompt": "Hi", "max_tokens": 2},
+    "/v1/chat/completions": {"model": GENERATE_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/v1/embeddings": {"model": EMBED_MODEL, "input": "Hi"},
+    "/tokenize": {"model": GENERATE_MODEL, "prompt": "Hi"},
+    "/detokenize": {"model": EMBED_MODEL, "tokens": [101, 102]},
+}
 
 Send = Callable[[schemathesis.Case], None]
 
@@ -178,6 +189,7 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
     record = FuzzRecord()
     positive, negative = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
     with requests.Session() as session:
+        _assert_minimal_bodies_served(fuzz_server, session)
         send_valid = _sender(fuzz_server, session, record, "positive")
         send_invalid = _sender(fuzz_server, session, record, "negative")
         for op in operations:
@@ -188,6 +200,7 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
             valid = _served_model_half_the_time(op.as_strategy(positive), POST_MODELS[op.path])
             _fuzz(valid, NUM_POSITIVE_PER_POST, send_valid)
             _fuzz(op.as_strategy(negative), NUM_NEGATIVE_PER_POST, send_invalid)
+        _assert_minimal_bodies_served(fuzz_server, session)
     summary = dict(sorted(record.statuses.items()))
     assert not record.server_errors, (
         f"{len(record.server_errors)} of {record.num_requests} responses were 5xx; the first ones:\n"
@@ -195,7 +208,13 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
         + f"\n--- server log ---\n{_log_excerpt(fuzz_server.log_path)}"
     )
     assert record.num_requests >= MIN_NUM_REQUESTS, summary
-    for path in POST_PATHS:
-        num_ok = sum(n for (label, status), n in record.statuses.items() if label == f"POST {path}" and status == 200)
-        refused = [(status, message, n) for (label, status, message), n in record.refusals.most_common() if label == f"POST {path}"]
-        assert num_ok > 0, f"no generated body for {path} was served: {summary}; the valid bodies' refusals: {refused[:15]}"
+    # Generated bodies reach the batchers: some are served, over the POST routes together.
+    num_ok = {path: record.statuses[(f"POST {path}", 200)] for path in POST_PATHS}
+    print(f"generated bodies served per POST route: {num_ok}")
+    assert sum(num_ok.values()) > 0, f"no generated body was served: {summary}; the valid bodies' refusals: {record.refusals.most_common(15)}"
+
+
+def _assert_minimal_bodies_served(server: FuzzServer, session: requests.Session) -> None:
+    for path, body in MINIMAL_BODIES.items():
+        response = session.post(f"{server.url}{path}", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert response.status_code == 200, f"{path} {body}: {response.status_code} {response.text[:300]}"

@@ -252,6 +252,25 @@ def test_sender_times_a_stream_and_reads_usage_and_bucket_headers() -> None:
     assert (result.bucket, result.queue_ms, result.prefill_ms) == ("le48", 1.5, 20.0)
 
 
+@pytest.mark.parametrize(("last_chunk", "whole"), [
+    ('{"choices":[{"index":0,"text":"","finish_reason":"length"}],"usage":{"completion_tokens":2}}', True),
+    ('{"choices":[{"index":0,"text":"b"}]}', False),
+])
+def test_a_stream_without_done_is_whole_only_after_a_finish_reason(last_chunk: str, whole: bool) -> None:
+    """transformers serve ends its completion streams after the finish chunk, without [DONE]."""
+    content = "".join(f"data: {c}\n\n" for c in ('{"choices":[{"index":0,"text":"a"}]}', last_chunk)).encode()
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=content))
+    args = argparse.Namespace(model="m", endpoint="completions", retry=False)
+
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(base_url="http://test", transport=transport) as client:
+            return await load_client.Sender(client, args, random.Random(0)).send("hello", 2)
+
+    result = asyncio.run(go())
+    assert result.ok is whole and result.ttft_s is not None
+    assert (result.error is None) is whole, result.error
+
+
 def test_429_is_counted_not_retried_unless_asked() -> None:
     refused = send_one([429, 200], retry=False)
     assert not refused.ok and refused.status == 429 and "queue full" in (refused.error or "")
