@@ -85,12 +85,11 @@ class ServerSpec:
     """One server to start: its command line, its root URL and how to talk to it.
 
     ``model`` is the name sent in each request; ``extra_body`` the fields merged into every
-    request body (a peer's own way to ignore end-of-sequence; a ``None`` value removes the field);
-    ``ready_path`` answers 200 once
-    the server serves; ``version`` what is recorded about the system. ``settled_gates``
-    (Sluice): ready also waits until no ``auto`` bucket's backend gate is still pending, running
-    or building (``/health?verbose``'s ``gates``), so the sweep measures the backend the gate
-    chose, not eager beside a gate's own measuring.
+    request body (a peer's own way to ignore end-of-sequence; a ``None`` value removes the
+    field); ``ready_path`` answers 200 once the server serves; ``version`` what is recorded about
+    the system. ``settled_gates`` (Sluice): ready also waits until no ``auto`` bucket's backend
+    gate is still pending, running or building (``/health?verbose``'s ``gates``), so the sweep
+    measures the backend the gate chose, not eager beside a gate's own measuring.
     """
 
     kind: PeerKind
@@ -104,7 +103,8 @@ class ServerSpec:
     settled_gates: bool = False
 
 
-UNSETTLED_GATE_STATES = ("pending", "running", "building")  # gateway.runners.GateState values
+# gateway.runners.GateState values (bench/ reads the gateway over HTTP only; the unit test pins them).
+UNSETTLED_GATE_STATES = ("pending", "running", "building")
 
 
 def is_ready(spec: ServerSpec, response: httpx.Response) -> bool:

@@ -11,7 +11,7 @@ import pytest
 
 from bench import peers_report
 from bench.peers import add_arguments
-from bench.peers_systems import PeerKind, ServerSpec, cpu_flags, is_ready, llama_cache_key, log_tail
+from bench.peers_systems import UNSETTLED_GATE_STATES, PeerKind, ServerSpec, cpu_flags, is_ready, llama_cache_key, log_tail
 from gateway.cli import build_parser
 
 
@@ -112,6 +112,9 @@ def test_sluice_is_ready_only_once_no_gate_is_pending_running_or_building() -> N
     def health(*states: str, status: int = 200) -> httpx.Response:
         return httpx.Response(status, json={"status": "ok", "gates": [{"model": "m", "bucket": "b", "state": s} for s in states]})
 
+    from gateway.runners import GateState
+
+    assert set(UNSETTLED_GATE_STATES) <= {state.value for state in GateState}
     for unsettled in ("pending", "running", "building"):
         assert not is_ready(sluice, health("done", unsettled))
     assert is_ready(sluice, health("done", "off", "failed", "dropped"))
