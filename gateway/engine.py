@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -125,10 +126,22 @@ class Engine:
         self.kv_pool_bytes: dict[BucketKey, tuple[str, int]] = {}
 
     def start(self) -> None:
+        """Load every model, then start the slices side by side: a process or Ray slice's worker
+        loads its models itself, so several such slices load at once rather than one after
+        another.
+
+        Raises:
+            RuntimeError: a slice could not start (the first such slice in config order; the
+                others have started or failed too).
+        """
         for model_config in self.config.models:
             self.models[model_config.name] = self._load(model_config)
-        for device_slice in self.slices.values():
-            device_slice.start()
+        slices = list(self.slices.values())
+        with ThreadPoolExecutor(max(1, len(slices)), thread_name_prefix="slice-start") as pool:
+            errors = [future.exception() for future in [pool.submit(s.start) for s in slices]]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def stop(self) -> None:
         for model in self.models.values():

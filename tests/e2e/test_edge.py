@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import ADMIN_TOKEN, EMBED_MODEL, GENERATE_MODEL, Server
+from tests.e2e.conftest import ADMIN_TOKEN, EMBED_MODEL, GENERATE_MODEL, Server, wait_for
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -40,15 +40,20 @@ def test_4xx_requests_are_logged_and_counted(server_url: str, server_log: Path) 
     after = _requests_total(server_url)
     assert after[(GENERATE_MODEL, "", "invalid_request")] - before.get((GENERATE_MODEL, "", "invalid_request"), 0) == 1
     assert after[("", "", "not_found")] - before.get(("", "", "not_found"), 0) == 1  # no label for a made-up model
-    events = _access_events(server_log, "/v1/completions")
-    statuses = [(e["status"], e["model"], e["outcome"]) for e in events]
-    assert (400, GENERATE_MODEL, "invalid_request") in statuses and (404, "no-such-model", "not_found") in statuses
+    wanted = {(400, GENERATE_MODEL, "invalid_request"), (404, "no-such-model", "not_found")}
+
+    def logged() -> list[dict[str, object]]:  # each access line is written once its response is sent
+        events = _access_events(server_log, "/v1/completions")
+        return events if wanted <= {(e["status"], e["model"], e["outcome"]) for e in events} else []
+
+    events = wait_for(logged, 10, "the access log lines of the 400 and the 404")
     assert all(isinstance(e["duration_ms"], float) and e["route"] == "/v1/completions" for e in events)
 
 
 def test_an_unknown_path_is_logged_too(server_url: str, server_log: Path) -> None:
     assert httpx.get(f"{server_url}/v1/no-such-path", timeout=30).status_code == 404
-    [event] = _access_events(server_log, "/v1/no-such-path")
+    # The access line is written once the response is sent: the client may read it first.
+    [event] = wait_for(lambda: _access_events(server_log, "/v1/no-such-path"), 10, "the 404's access log line")
     assert (event["status"], event["route"], event["outcome"]) == (404, None, "not_found")
 
 

@@ -45,12 +45,15 @@ from tests.e2e.test_process_slices import (
     LONG_BODY,
     PROMPT,
     RESTART_TIMEOUT_S,
-    _long_request,
     _streamed_text,
 )
 from tests.unit.test_process_slice import remote_spec
 
 CRASH_REPORTED_S = 5.0  # the issue's bound: requests on a dead actor end within this
+# The long requests a replica is lost under: still running when the loss lands (it follows the
+# sight of all of them running within a stats push, 50 ms), and short enough that the other
+# replica's finish soon after (200 tokens took 70 s beside two actors reloading on 2 cores).
+LONG_TOKENS = 64
 NODE_ARGS = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 * 1024**2}
 
 
@@ -220,6 +223,16 @@ def test_a_client_that_hangs_up_frees_its_blocks_in_the_actor(server: tuple[str,
     assert stats["num_cancelled"] >= 1
 
 
+async def _long_request(client: httpx.AsyncClient, stream: bool) -> tuple[int, str]:
+    """Status and body (the SSE text when streamed) of a generation of ``LONG_TOKENS``."""
+    body = {**LONG_BODY, "max_tokens": LONG_TOKENS}
+    if not stream:
+        response = await client.post("/v1/completions", json=body)
+        return response.status_code, response.text
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        return response.status_code, "".join([line + "\n" async for line in response.aiter_lines()])
+
+
 def _crashed(results: list[tuple[int, str]]) -> int:
     """How many results say their replica died: a 503 ``worker_crashed``, or a 200 stream that
     ends with such an error chunk and then [DONE]; every other result is a plain 200."""
@@ -387,7 +400,7 @@ def _actor(url: str) -> dict[str, Any]:
 def _finish_on_a_while_b_goes(url_a: str, url_b: str, stop_b: Any) -> list[int]:
     """Two long requests on each gateway; once all four run in the shared actor, ``stop_b()``.
     Returns the statuses of gateway A's requests (B's end however B's going ends them)."""
-    body = {**LONG_BODY, "model": GENERATE_MODEL, "max_tokens": 120}
+    body = {**LONG_BODY, "model": GENERATE_MODEL, "max_tokens": LONG_TOKENS}
 
     async def run() -> list[int]:
         async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as client:
