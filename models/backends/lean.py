@@ -20,8 +20,9 @@ Kinds:
 
 With float32 activations the quantized products run Sluice's kernel
 (:mod:`models.quant_kernels`, AVX-512 or AVX2, exact on the dequantized weights). A product of
-more rows than :data:`KERNEL_MAX_ROWS` for the ISA (:data:`TORCH_OP_MAX_ROWS` for torch's ops)
-runs on the eager modules' float32 prepacked weights, unfused: no extra memory, since the eager
+more rows than pay on this machine (measured when the backend is built:
+:mod:`models.backends.row_crossover`; :data:`TORCH_OP_MAX_ROWS` for torch's ops) runs on the
+eager modules' float32 prepacked weights, unfused: no extra memory, since the eager
 fallback keeps those modules anyway (so prefill needs them, and no bytes are saved by the
 quantized kinds; ``lean-int4``'s Q8_0 head adds 31.8 MB beside eager's float32 embedding).
 
@@ -81,17 +82,14 @@ from models.backends.base import BackendUnavailableError, DecoderBackend, Decode
 from models.cpu_linear import PackedLinear
 from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_projections, q8_0_head
 from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest, kernel_isa
+from models.backends.row_crossover import SwitchedLinear, set_max_quantized_rows
 from models.llama_lean import LeanGeometry, LeanLayer, LeanLlama, Linear
-from models.quant_kernels import Isa
 
 SUPPORTED_DECODERS = ("LlamaModel",)
-# Rows up to which a product runs quantized; above, on the float32 weights. torch's ops (bfloat16
-# activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache, 1 thread):
+# Rows up to which a product of torch's ops runs quantized; above, on the float32 weights
+# (bfloat16 activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache,
+# 1 thread). Our kernel's figure is measured at build (models.backends.row_crossover).
 TORCH_OP_MAX_ROWS = 4
-# Our kernel, per ISA path (float32 activations; figures in the module docstring). AVX-512: on a
-# par with oneDNN's float32 product at 4 rows, slower at 8. AVX2: measured forced on the AVX-512
-# machine, where oneDNN still runs AVX-512: on a par at 1 row, 2x slower at 4.
-KERNEL_MAX_ROWS = {Isa.AVX512: 4, Isa.AVX2: 1}
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 # (layer, projection, float32 weight [out, in]) -> its quantized product, or None to keep float32.
@@ -115,16 +113,6 @@ class LeanDecoder:
         return self.model.logits(hidden)
 
 
-class SwitchedLinear:
-    """``quantized`` for at most ``max_rows`` rows, else ``dense`` (same product, float32 weights)."""
-
-    def __init__(self, quantized: Linear, dense: Linear, max_rows: int):
-        self.quantized, self.dense, self.max_rows = quantized, dense, max_rows
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quantized.mm(x) if x.shape[0] <= self.max_rows else self.dense.mm(x)
-
-
 class ConcatLinear:
     """Several products of one input side by side (the eager modules' Q, K, V or gate, up)."""
 
@@ -135,11 +123,14 @@ class ConcatLinear:
         return torch.cat([part.mm(x) for part in self.parts], dim=1)
 
 
-def build_lean(parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_quantized_rows: int = 0) -> LeanDecoder:
+def build_lean(
+    parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_quantized_rows: int | None = None
+) -> LeanDecoder:
     """The lean backend over ``parts.decoder``'s weights; ``quantize(layer, projection, weight)``
     (``layer`` -1 for the LM head) makes the quantized product of each float32 weight
-    ``[out, in]``, run for products of at most ``max_quantized_rows`` rows; ``None`` for the
-    float32 kind.
+    ``[out, in]``, run for products of at most ``max_quantized_rows`` rows (``None``: as many as
+    pay on this machine, measured now by :func:`models.backends.row_crossover.set_max_quantized_rows`);
+    ``quantize`` ``None`` for the float32 kind.
 
     Raises:
         BackendUnavailableError: not a CPU float32 Llama decoder loaded from a folder with
@@ -150,6 +141,7 @@ def build_lean(parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_
     weights = _float_weights(decoder)
     config = decoder.config
     layers: list[LeanLayer] = []
+    switched: list[SwitchedLinear] = []
     for i in range(config.num_hidden_layers):
         modules = {p: getattr(getattr(decoder.layers[i], owner), p) for p, owner in PROJECTIONS.items()}
 
@@ -161,7 +153,10 @@ def build_lean(parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_
             unfused = [_dense([modules[n]], [w]) for n, w in zip(names, float_weights)]
             dense = unfused[0] if len(unfused) == 1 else ConcatLinear(unfused)
             quantized = quantize(i, "+".join(names), torch.cat(float_weights))
-            return dense if quantized is None else SwitchedLinear(quantized, dense, max_quantized_rows)
+            if quantized is None:
+                return dense
+            switched.append(SwitchedLinear(quantized, dense, max_quantized_rows or 0))
+            return switched[-1]
 
         layers.append(LeanLayer(
             input_norm=decoder.layers[i].input_layernorm.weight.detach(),
@@ -173,7 +168,10 @@ def build_lean(parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_
     head: Linear = _dense([parts.lm_head], [head_weight])
     quantized_head = None if quantize is None else quantize(-1, "lm_head", head_weight)
     if quantized_head is not None:
-        head = SwitchedLinear(quantized_head, head, max_quantized_rows)
+        switched.append(SwitchedLinear(quantized_head, head, max_quantized_rows or 0))
+        head = switched[-1]
+    if switched and max_quantized_rows is None:
+        set_max_quantized_rows(switched, name)
     model = LeanLlama(
         LeanGeometry.from_config(config), decoder.embed_tokens.weight.detach(), layers, decoder.norm.weight.detach(),
         decoder.rotary_emb, head,
@@ -272,8 +270,9 @@ def _gguf_head(source: Path | None, weight: torch.Tensor, activation_dtype: torc
     return linear
 
 
-def _quantized_rows(activation_dtype: torch.dtype) -> int:
-    """The most rows a product of ``activation_dtype`` runs quantized (see :data:`KERNEL_MAX_ROWS`).
+def _quantized_rows(activation_dtype: torch.dtype) -> int | None:
+    """The most rows a product of ``activation_dtype`` runs quantized: :data:`TORCH_OP_MAX_ROWS`
+    for torch's ops, ``None`` (measure at build) for our kernel.
 
     Raises:
         BackendUnavailableError: ``SLUICE_KERNEL_ISA`` is wrong (the message names it).
@@ -284,7 +283,7 @@ def _quantized_rows(activation_dtype: torch.dtype) -> int:
         isa = kernel_isa()
     except ValueError as exc:
         raise BackendUnavailableError(str(exc)) from None
-    return TORCH_OP_MAX_ROWS if isa is None else KERNEL_MAX_ROWS[isa]
+    return TORCH_OP_MAX_ROWS if isa is None else None
 
 
 def _lean(parts: DecoderParts) -> DecoderBackend:
