@@ -146,6 +146,11 @@ class SLOConfig(_Strict):
         return self
 
 
+GateCandidate = Literal[
+    "compiled", "onnx-fp32", "onnx-int8", "lean", "lean-int8", "lean-int4", "lean-int8-bf16", "lean-int4-bf16"
+]
+
+
 class BucketConfig(_Strict):
     """Prompts of at most ``max_input_tokens`` tokens (above the previous bucket's limit)."""
 
@@ -165,6 +170,9 @@ class BucketConfig(_Strict):
     # the bucket's gate record enabled (`sluice gate`), else eager.
     backend: Literal["eager", "compiled", "onnx", "lean", "auto"] = "eager"
     quantization: Literal["none", "int8", "int4"] = "none"
+    # The candidates this bucket's gate measures (`auto` at start, `sluice gate`); None:
+    # gate.candidates. A decoder bucket may leave out compiled (minutes of compiling per gate).
+    gate_candidates: list[GateCandidate] | None = Field(default=None, min_length=1)
     # How a continuous bucket's KV pool stores K/V (models/kv_cache.py): float32, bfloat16, or
     # int8 with a float32 scale per token and KV head; auto: int8 when the bucket's gate record
     # shows it passes gate.min_kv_greedy_agreement and gate.max_kv_mean_kl_nats, else float32;
@@ -242,11 +250,6 @@ class ModelConfig(_Strict):
                     f"max_num_seqs {b.batcher.max_num_seqs}; every running sequence decodes one token per step"
                 )
         return self
-
-
-GateCandidate = Literal[
-    "compiled", "onnx-fp32", "onnx-int8", "lean", "lean-int8", "lean-int4", "lean-int8-bf16", "lean-int4-bf16"
-]
 
 
 class GateConfig(_Strict):

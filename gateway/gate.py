@@ -197,18 +197,27 @@ def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
     return choose_backend(verdicts(record, config), thresholds(config))
 
 
+def bucket_gate_config(config: GateConfig, bucket: BucketConfig) -> GateConfig:
+    """``config`` with the bucket's own ``gate_candidates``, where it sets them."""
+    if bucket.gate_candidates is None:
+        return config
+    return config.model_copy(update={"candidates": list(bucket.gate_candidates)})
+
+
 def run_gate(
     loaded: LoadedModel, model: ModelConfig, bucket: BucketConfig, config: GateConfig, cache_dir: Path, num_threads: int,
     guard: IdleGuard = ALWAYS_IDLE,
 ) -> dict[str, Any]:
-    """Measure every candidate for one bucket and return the record (not yet saved). Every
-    build, timed round and accuracy run starts when ``guard`` says the slice is idle; a round
-    disturbed by work is measured again (:mod:`models.backends.measure`).
+    """Measure every candidate for one bucket (``config.candidates``, or the bucket's
+    ``gate_candidates``) and return the record (not yet saved). Every build, timed round and
+    accuracy run starts when ``guard`` says the slice is idle; a round disturbed by work is
+    measured again (:mod:`models.backends.measure`).
 
     Raises:
         GateCancelledError: from ``guard``.
     """
     started = time.perf_counter()
+    config = bucket_gate_config(config, bucket)
     if model.task == "embed":
         candidates = _gate_encoder(loaded, bucket, config, cache_dir, num_threads, guard)
     else:
@@ -251,7 +260,8 @@ def run_and_save(
         GateCancelledError: from ``guard`` (nothing saved).
     """
     fields = {"model": model.name, "bucket": bucket.bucket_name}
-    log.info("gate_started", **fields, reason=reason, candidates=list(config.candidates), repeats=config.repeats)
+    candidates = bucket_gate_config(config, bucket).candidates
+    log.info("gate_started", **fields, reason=reason, candidates=list(candidates), repeats=config.repeats)
     record = run_gate(loaded, model, bucket, config, cache_dir, num_threads, guard)
     path = record_path(cache_dir, model.name, bucket.bucket_name)
     save_record(path, record)

@@ -80,6 +80,10 @@ def _with_overrides(config: GatewayConfig, args: argparse.Namespace) -> GatewayC
         return config
     data = config.model_dump(mode="json")
     data["gate"] = {**data["gate"], **changes}
+    if "candidates" in changes:  # the command line's candidates win over each bucket's own
+        for model in data["models"]:
+            for bucket in model["buckets"]:
+                bucket["gate_candidates"] = None
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:

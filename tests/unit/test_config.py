@@ -360,3 +360,33 @@ def test_queue_limits_have_defaults_and_are_validated() -> None:
     assert (bucket.max_queue_len, bucket.max_queued_tokens) == (2, 500)
     data["models"][1]["buckets"][0]["max_queue_len"] = 0
     assert "models.1.buckets.0.max_queue_len" in config_error(data)
+
+
+def test_a_bucket_gates_its_own_candidates_and_the_command_line_wins() -> None:
+    from gateway import gate
+    from gateway.gate_command import _with_overrides
+
+    config = load_config(CONFIGS_DIR / "default.yaml")
+    smollm2 = next(m for m in config.models if m.task == "generate")
+    for bucket in smollm2.buckets:
+        assert bucket.backend == "auto"
+        assert gate.bucket_gate_config(config.gate, bucket).candidates == ["lean", "lean-int8", "lean-int4"]
+    minilm = next(m for m in config.models if m.task == "embed")
+    assert gate.bucket_gate_config(config.gate, minilm.buckets[0]).candidates == config.gate.candidates
+
+    class Args:
+        repeats = None
+        candidates = "lean-int4"
+
+    overridden = _with_overrides(config, Args())  # type: ignore[arg-type]
+    for model in overridden.models:
+        for bucket in model.buckets:
+            assert gate.bucket_gate_config(overridden.gate, bucket).candidates == ["lean-int4"]
+
+
+def test_gate_candidates_are_checked() -> None:
+    data = make_config_data()
+    data["models"][0]["buckets"][0]["gate_candidates"] = ["lean", "fast"]
+    assert "models.0.buckets.0.gate_candidates.1" in config_error(data)
+    data["models"][0]["buckets"][0]["gate_candidates"] = []
+    assert "models.0.buckets.0.gate_candidates" in config_error(data)
