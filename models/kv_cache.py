@@ -134,7 +134,7 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     holds the map)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
-    num_bytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(dims) * dtype.itemsize
     if num_bytes == 0:
         return torch.zeros(dims, dtype=dtype)
     memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
