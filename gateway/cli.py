@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from models.kv_plan import KVSource
 
 DEFAULT_CONFIG = "configs/default.yaml"
+# Seconds an idle keep-alive connection stays open. Longer than the clients' own expiry (httpx,
+# and so the official ``openai`` client, drop an idle connection after 5 s; uvicorn's default is
+# also 5 s, so a request sent on a connection at 5 s races the server's close and gets a
+# connection reset) and than a load balancer's idle timeout (60 s on AWS ALB): nginx's 75 s.
+KEEP_ALIVE_TIMEOUT_S = 75.0
+
 # ``sluice bench NAME``: (name, module with add_arguments and run, help); imported when parsing.
 BENCH_COMMANDS = (
     ("engine", "bench.engine", "offline engine benchmark against Hugging Face baselines"),
@@ -49,7 +55,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # the KV split over a slice's budget
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        timeout_keep_alive=args.keep_alive_timeout_s,
+    )
     return 0
 
 
@@ -166,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--keep-alive-timeout-s", type=float, default=KEEP_ALIVE_TIMEOUT_S,
+        help=f"seconds an idle HTTP connection stays open (default {KEEP_ALIVE_TIMEOUT_S:g})",
+    )
     serve.set_defaults(func=_serve)
     prepare = commands.add_parser("prepare", help="convert the config's GGUF models and build the C++ kernel ahead of serving")
     prepare.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")

@@ -105,8 +105,9 @@ def teacher_forced_logprobs(runner: Any, prompts: Sequence[list[int]], continuat
 def logprob_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
     """Teacher-forced agreement of ``candidate`` with ``reference`` (both ``[rows, vocab]``
     log-probabilities): ``top1_agreement`` (share of rows with the same argmax), ``mean_kl_nats``
-    and ``max_kl_nats`` (KL(reference || candidate) per row, nats)."""
-    kl = (reference.exp() * (reference - candidate)).sum(-1)
+    and ``max_kl_nats`` (KL(reference || candidate) per row, nats; a row's float32 sum, which
+    rounding can take a few 1e-8 below zero where the two nearly agree, is clamped at 0)."""
+    kl = (reference.exp() * (reference - candidate)).sum(-1).clamp_min(0.0)
     return {
         "top1_agreement": round(float((candidate.argmax(-1) == reference.argmax(-1)).float().mean()), 4),
         "mean_kl_nats": float(kl.mean()),

@@ -56,3 +56,23 @@ def test_prepare_refuses_a_bad_config(tmp_path: Path, calls: list[tuple[str, ...
     data["models"][0]["max_model_len"] = 1
     assert main(["prepare", "--config", str(write_config(tmp_path, data))]) == 2
     assert "max_model_len" in capsys.readouterr().err and calls == [("logging", "INFO")]
+
+
+def test_serve_keeps_idle_connections_open_longer_than_clients_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn's default keep-alive (5 s) equals httpx's idle expiry, so a client reusing a
+    connection at 5 s raced the server's close (a connection reset): the server keeps it 75 s."""
+    import uvicorn
+
+    import gateway.app
+    from gateway.cli import KEEP_ALIVE_TIMEOUT_S
+
+    runs: list[dict[str, object]] = []
+    monkeypatch.setattr(gateway.app, "create_app", lambda config: "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append({"app": app, **kwargs}))
+    monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: None)
+    monkeypatch.setattr("models.cpu_memory.keep_freed_memory_in_heap", lambda: None)
+    config = str(write_config(tmp_path, make_config_data()))
+    assert main(["serve", "--config", config]) == 0
+    assert main(["serve", "--config", config, "--keep-alive-timeout-s", "2.5"]) == 0
+    assert [run["timeout_keep_alive"] for run in runs] == [KEEP_ALIVE_TIMEOUT_S, 2.5] and KEEP_ALIVE_TIMEOUT_S > 5
+    assert runs[0]["app"] == "app" and runs[0]["host"] == "127.0.0.1"
