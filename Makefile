@@ -49,11 +49,13 @@ serve: $(SERVE_STAMP)
 # Two pytest-xdist workers (tests/conftest.py says how the modules are grouped). OpenMP threads
 # wait passively: torch's spin-waiting threads otherwise take the cores from the other worker and
 # from the gateway processes the e2e tests start (one test: 24 s alone, 70 s beside a busy torch
-# process, 30 s with passive waits).
+# process, 30 s with passive waits). One OpenMP thread per process: two workers already fill the
+# two cores, and a second thread per product only adds synchronisation (the test config's slice
+# runs one thread too; a config that names num_threads still gets it).
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(BIN)/python -m mypy
-	OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=40
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=40
 
 bench: $(SERVE_STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/sluice bench engine --output bench-results/engine.json

@@ -1,8 +1,11 @@
 """Real gateway processes on 127.0.0.1 and Hugging Face references for their models.
 
-A gateway start costs half a minute to a minute on a 2-core machine (both models loaded, KV
-pools allocated, the C++ kernel loaded), so servers are shared: :func:`server_with` starts one per distinct config (the test
-config with an edit applied) and environment, and keeps it for the session; modules whose tests
+A gateway start costs 7-8 s of CPU on a 2-core machine (both models loaded, KV pools
+allocated, the C++ kernel loaded), so servers are shared, and each starts when a test first asks
+for it, one at a time: five started side by side took 13-17 s of CPU each (two 8.3 s each), the
+kernel's page zeroing and Python's own work both growing with the processes sharing the cores.
+:func:`server_with` starts one per distinct config (the test config with an edit applied) and
+environment, and keeps it for the session; modules whose tests
 can share a server ask for the same edit. A module that needs a config no other module uses
 starts its own with :func:`run_server` in a module-scoped fixture, stopped when the module ends.
 """
@@ -18,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -197,7 +200,7 @@ def server_with(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
 
 
 @pytest.fixture(scope="session")
-def default_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
+def default_server(server_with: Callable[..., Server]) -> Server:
     """The server of the test config as it is."""
     return server_with()
 
@@ -220,7 +223,7 @@ def drain_retry_after(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def admin_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
+def admin_server(server_with: Callable[..., Server]) -> Server:
     """The test config with the admin API on (bearer ``ADMIN_TOKEN``) and ``drain_retry_after_s``
     set: shared by the modules that change models and knobs at run time (admin, bench tune,
     reconfiguration). Each leaves both models loaded with the test config's bucket names."""
@@ -238,7 +241,7 @@ def one_sequence_short_bucket(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def one_sequence_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
+def one_sequence_server(server_with: Callable[..., Server]) -> Server:
     """The server of :func:`one_sequence_short_bucket`'s config (metrics, deadlines and the
     structured-output compile timeout share it)."""
     return server_with(one_sequence_short_bucket)
@@ -258,7 +261,7 @@ def small_queues(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def small_queue_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
+def small_queue_server(server_with: Callable[..., Server]) -> Server:
     """The server of :func:`small_queues`'s config (admission and the dashboards share it)."""
     return server_with(small_queues)
 
@@ -275,40 +278,19 @@ def matryoshka_embedder(config: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def matryoshka_server(server_with: Callable[..., Server], shared_servers_started_side_by_side: None) -> Server:
+def matryoshka_server(server_with: Callable[..., Server]) -> Server:
     """The server of :func:`matryoshka_embedder`'s config."""
     return server_with(matryoshka_embedder)
 
 
-# The shared servers by the fixture that asks for each, with their edit and environment.
-SHARED_SERVERS: dict[str, tuple[ConfigEdit | None, dict[str, str] | None]] = {
-    "default_server": (None, None),
-    "admin_server": (drain_retry_after, {"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}),
-    "one_sequence_server": (one_sequence_short_bucket, None),
-    "small_queue_server": (small_queues, None),
-    "matryoshka_server": (matryoshka_embedder, None),
-}
+# The fixtures of the shared servers (their modules run on one xdist worker: tests/conftest.py).
+SHARED_SERVERS = frozenset({"default_server", "admin_server", "one_sequence_server", "small_queue_server", "matryoshka_server"})
 
 
 def uses_a_shared_server(item: pytest.Item) -> bool:
     """Whether a collected test asks for one of :data:`SHARED_SERVERS` (directly or through
     another fixture)."""
-    return bool(set(getattr(item, "fixturenames", ())) & SHARED_SERVERS.keys())
-
-
-@pytest.fixture(scope="session")
-def shared_servers_started_side_by_side(request: pytest.FixtureRequest, server_with: Callable[..., Server]) -> None:
-    """Start the shared servers the collected tests ask for side by side, on the first use of
-    any (a start is mostly one core's work: four took about 22 s one after another). Under
-    pytest-xdist every worker collects every test, but the modules using these servers run on
-    one worker (``xdist_group``, see ``tests/conftest.py``), so only that worker starts them. A
-    server that fails to start fails the tests that use it, when they ask for it."""
-    needed = set().union(*(item.fixturenames for item in request.session.items))
-    specs = [spec for name, spec in SHARED_SERVERS.items() if name in needed]
-    if len(specs) > 1:
-        with ThreadPoolExecutor(len(specs)) as pool:
-            for started in [pool.submit(server_with, *spec) for spec in specs]:
-                started.exception()
+    return bool(set(getattr(item, "fixturenames", ())) & SHARED_SERVERS)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 import psutil
+import yaml
 
 from bench import peers
 from bench.peers_systems import PeerKind
@@ -23,7 +24,8 @@ def test_the_harness_measures_sluice_and_stops_it(tmp_path: Path) -> None:
         min_prompt_tokens=16, max_prompt_tokens=40, seed=0,
     )
     sluice = peers.sluice_setup(CONFIG)
-    assert sluice["model"] == GENERATE_MODEL and sluice["max_num_seqs"] == 16 and sluice["num_threads"] == 2
+    num_threads = yaml.safe_load(CONFIG.read_text())["slices"][0]["num_threads"]
+    assert sluice["model"] == GENERATE_MODEL and sluice["max_num_seqs"] == 16 and sluice["num_threads"] == num_threads
     texts, summary = peers.workload_texts(sluice["folder"], args)
     assert len(texts) == peers.NUM_PROMPTS and summary
     record = peers.measure_system(PeerKind.SLUICE, sluice, texts, CONCURRENCIES, args, tmp_path / "logs")
