@@ -216,6 +216,19 @@ class ModelConfig(_Strict):
     # renders tools (gateway/tool_parsers.py): ``hermes`` (``<tool_call>`` JSON blocks) or
     # ``llama3_json`` (JSON objects with name and parameters); None: such output is plain text.
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # at_start: loaded before the gateway serves (and pinned unless ``pinned: false``);
+    # on_demand: loaded by its first request, and evictable (least recently used first) to make
+    # room for another within the memory budgets (gateway/residency.py).
+    load: Literal["at_start", "on_demand"] = "at_start"
+    # Never evicted for another model nor unloaded when idle; None: pinned when load is at_start.
+    pinned: bool | None = None
+    # Unload the model after this many seconds with no request (Ollama's keep_alive); None: never.
+    idle_unload_s: float | None = Field(default=None, gt=0)
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether eviction and the idle unload leave this model alone."""
+        return self.pinned if self.pinned is not None else self.load == "at_start"
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "ModelConfig":
@@ -305,11 +318,45 @@ class RayConfig(_Strict):
     detached: bool = False
 
 
+class ModelDefaultsConfig(_Strict):
+    """The config of a model found in ``models_dir`` (or named by ``sluice serve --model``) with
+    no ``models:`` entry of its own (gateway/catalog.py builds its entry from these)."""
+
+    # The slice its buckets run on; None: the first slice.
+    slice: str | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # None: the model's own context (max_position_embeddings); else at most this many tokens.
+    max_model_len: int | None = Field(default=None, ge=2)
+    # The buckets' max_input_tokens below max_model_len (which closes the last bucket).
+    bucket_max_input_tokens: list[Annotated[int, Field(ge=1)]] = [256]
+    load: Literal["at_start", "on_demand"] = "on_demand"
+    pinned: bool | None = None
+    idle_unload_s: float | None = Field(default=None, gt=0)
+    # The batchers of every default bucket (generation: continuous; embedding: dynamic).
+    max_num_seqs: int = Field(default=16, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_queue_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
+
+
 class GatewayConfig(_Strict):
     """The whole file: slices, then models whose buckets name those slices."""
 
     slices: list[SliceConfig] = Field(min_length=1)
-    models: list[ModelConfig] = Field(min_length=1)
+    # May be empty when models_dir names the models.
+    models: list[ModelConfig] = []
+    # Every model file (.gguf) or Hugging Face folder (with config.json) in this folder is
+    # servable under its file or folder name, with the config of model_defaults; a models entry
+    # of the same name wins.
+    models_dir: str | None = None
+    model_defaults: ModelDefaultsConfig = ModelDefaultsConfig()
+    # The most bytes the resident models' weights and KV pools (draining ones included) may take
+    # in this process, over all slices ("12GiB" or bytes); None: 80 % of the machine's RAM.
+    # Loading a model past it evicts idle, unpinned models, least recently used first.
+    memory_budget_bytes: ByteSize | None = Field(default=None, gt=0)
+    # After a failed load, the seconds before a request may try to load the model again (503
+    # model_load_failed meanwhile).
+    model_load_retry_s: float = Field(default=5.0, ge=0, le=3600)
     cache_dir: str | None = None
     # A larger request body gets a 413 before it is parsed ("2MiB" or bytes).
     max_request_body_bytes: ByteSize = Field(default=ByteSize(2 * 1024 * 1024), gt=0)
@@ -335,6 +382,10 @@ class GatewayConfig(_Strict):
         slice_names = [s.name for s in self.slices]
         if len(set(slice_names)) != len(slice_names):
             raise ValueError(f"slices: names must be unique, got {slice_names}")
+        if not self.models and self.models_dir is None:
+            raise ValueError("models: name at least one model, or a models_dir to serve models from")
+        if self.model_defaults.slice is not None and self.model_defaults.slice not in slice_names:
+            raise ValueError(f"model_defaults.slice: unknown slice {self.model_defaults.slice!r}; known: {slice_names}")
         model_names = [m.name for m in self.models]
         if len(set(model_names)) != len(model_names):
             raise ValueError(f"models: names must be unique, got {model_names}")
@@ -342,6 +393,12 @@ class GatewayConfig(_Strict):
             for j, bucket in enumerate(model.buckets):
                 if bucket.slice not in slice_names:
                     raise ValueError(f"models.{i}.buckets.{j}.slice: unknown slice {bucket.slice!r}; known: {slice_names}")
+                isolation = self.slices[slice_names.index(bucket.slice)].isolation
+                if model.load == "on_demand" and isolation != "thread":
+                    raise ValueError(
+                        f"models.{i}.load: on_demand needs its buckets on thread slices; bucket {j} is on "
+                        f"{bucket.slice!r}, which has isolation: {isolation} (its worker builds its buckets at start)"
+                    )
         for index, slice_config in enumerate(self.slices):
             fractions = [b.batcher.kv_cache_memory_fraction or 0.0 for b in self.continuous_buckets(slice_config.name)]
             if sum(fractions) > 1.0 + 1e-9:
