@@ -35,6 +35,7 @@ from litestar.handlers.base import BaseRouteHandler
 
 from gateway.config import BucketConfig, GatewayConfig, ModelConfig
 from gateway.engine import Engine, ServedModel
+from gateway.residency import Residency, describe_state
 from gateway.errors import APIError, ConfigError, config_validation_error, model_not_found, to_api_error
 from models.errors import ModelError
 
@@ -144,9 +145,51 @@ class AdminController(Controller):
 
     @get("/models")
     async def list_models(self, request: Any) -> dict[str, Any]:
+        """Every loaded model (:func:`describe_model`), then those loading through the admin API,
+        then the servable models not loaded (``state`` unloaded, loading, or failed with its
+        ``reason``; their ``config``)."""
         engine: Engine = request.app.state.engine
+        residency: Residency = request.app.state.residency
         loading = [{"name": name, "state": "loading"} for name in sorted(_loading(request))]
-        return {"models": [describe_model(m) for m in engine.models.values()] + loading}
+        resting = [
+            {"name": m.name, "state": describe_state(residency, m.name)["value"], **_reason(residency, m.name), "config": m.model_dump(mode="json")}
+            for m in engine.config.models if m.name not in engine.models and m.name not in _loading(request)
+        ]
+        return {"models": [describe_model(m) for m in list(engine.models.values())] + loading + resting}
+
+    @post("/models/{model:str}/load", status_code=200)
+    async def load_servable(self, request: Any, model: str) -> dict[str, Any]:
+        """Load servable model ``model`` now, evicting others as a request would (a no-op when
+        it is loaded). 503 as a request's load fails; 404 for an unknown model."""
+        residency: Residency = request.app.state.residency
+        before = describe_state(residency, model)["value"] if residency.model_exists(model) else None
+        served = await residency.load(model)
+        _audit(request, "load", model, before, "loaded")
+        return describe_model(served)
+
+    @post("/models/{model:str}/unload", status_code=200)
+    async def unload_servable(self, request: Any, model: str) -> dict[str, Any]:
+        """Drain ``model`` (its admitted requests finish; new ones wait to load it again) and
+        free it, keeping it servable; pinned models too. 404 for an unknown model."""
+        residency: Residency = request.app.state.residency
+        before = describe_state(residency, model)["value"] if residency.model_exists(model) else None
+        await residency.unload(model, "admin")
+        _audit(request, "unload", model, before, "unloaded")
+        return {"model": model, "state": describe_state(residency, model)["value"]}
+
+    @patch("/models/{model:str}/pin")
+    async def pin(self, request: Any, model: str) -> dict[str, Any]:
+        """``{"pinned": true | false}``: a pinned model is never evicted nor unloaded when idle."""
+        async with _changes(request):
+            residency: Residency = request.app.state.residency
+            try:
+                body = PinBody.model_validate(await _json_object(request))
+            except ValidationError as exc:
+                raise config_validation_error(exc) from None
+            before = residency.model_config_or_404(model).is_pinned
+            changed = residency.set_pinned(model, body.pinned)
+            _audit(request, "pin", model, before, changed.is_pinned)
+            return {"model": model, "pinned": changed.is_pinned}
 
     @get("/slices")
     async def list_slices(self, request: Any) -> dict[str, Any]:
@@ -183,7 +226,8 @@ class AdminController(Controller):
 
     @post("/models", status_code=201)
     async def load_model(self, request: Any) -> dict[str, Any]:
-        """Load a model from a ``models[]`` config entry and serve it."""
+        """Load a model from a ``models[]`` config entry and serve it; one of ``load: on_demand``
+        is made servable only (its first request loads it)."""
         async with _changes(request):
             engine: Engine = request.app.state.engine
             data = await _json_object(request)
@@ -192,6 +236,10 @@ class AdminController(Controller):
                 raise APIError(409, f"The model '{name}' is already served or loading", "invalid_request_error", "name", "model_exists")
             config = _validated({**_config_data(engine.config), "models": [*_models_data(engine.config), data]})
             model = config.models[-1]
+            if model.load == "on_demand":
+                engine.config = config
+                _audit(request, "add_model", model.name, None, model.model_dump(mode="json"))
+                return {"name": model.name, "state": "unloaded", "config": model.model_dump(mode="json")}
             _check_thread_slices(engine, model, "loading")
             _loading(request).add(model.name)
             try:
@@ -246,6 +294,19 @@ class AdminController(Controller):
         if format != "json":
             raise APIError(400, "format must be 'json' or 'yaml'", "invalid_request_error", "format")
         return Response(data)
+
+
+class PinBody(BaseModel):
+    """``PATCH /admin/models/{model}/pin``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pinned: bool
+
+
+def _reason(residency: Residency, name: str) -> dict[str, Any]:
+    reason = describe_state(residency, name).get("reason")
+    return {} if reason is None else {"reason": reason}
 
 
 class LayoutBody(BaseModel):

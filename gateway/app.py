@@ -29,6 +29,7 @@ from gateway.errors import APIError, ConfigError, is_domain_error, to_api_error
 from gateway.http_edge import BodyDecoding, RequestIds
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
+from gateway.residency import Residency
 from gateway.router import Router
 from gateway.slice_worker import run_slice_worker
 from gateway.tuning import TuningLoop
@@ -55,11 +56,12 @@ def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response
 async def health(request: Request[Any, Any, Any], verbose: FromQuery[str | None] = None) -> dict[str, Any]:
     """200 while the gateway serves (backend gates running in the background included); with
     ``?verbose`` (bare, or any value but ``false``, ``0``, ``no``) also ``gates``: each ``auto``
-    bucket's gate state (model, bucket, state)."""
+    bucket's gate state (model, bucket, state), and ``loading``: the models loading now."""
     engine: Engine = request.app.state.engine
     body: dict[str, Any] = {"status": "ok", "models": sorted(engine.models)}
     if verbose is not None and verbose.lower() not in ("false", "0", "no"):
         body["gates"] = gate_states(engine)
+        body["loading"] = request.app.state.residency.loading()
     return body
 
 
@@ -97,6 +99,8 @@ def create_app(config: GatewayConfig) -> Litestar:
     gates = BackgroundGates(engine)
     engine.bucket_hooks.append(gates.on_bucket)
     metrics = Metrics(engine)
+    residency = Residency(engine, metrics)
+    metrics.watch_residency(residency)
     engine.request_observers.append(metrics.observe_request)
     engine.bucket_hooks.append(
         lambda model, bucket: bucket.add_batch_observer(metrics.batch_observer(model, bucket.name, bucket.kind))
@@ -109,6 +113,12 @@ def create_app(config: GatewayConfig) -> Litestar:
         except ConfigError as exc:  # a layout over a slice's memory budget: say so, do not serve
             log.error("startup_failed", error=str(exc))
             raise
+        try:
+            residency.start()
+        except ConfigError as exc:  # pinned models over a memory budget
+            log.error("startup_failed", error=str(exc))
+            await asyncio.to_thread(engine.stop)
+            raise
         await app.state.router.warm()
         log.info("heap_frozen", num_objects=freeze_long_lived_objects())  # full collections skip the models
         app.state.config_lock = asyncio.Lock()  # admin changes and the SLO tuner, one at a time
@@ -119,13 +129,14 @@ def create_app(config: GatewayConfig) -> Litestar:
             yield
         finally:
             tuning.cancel()
+            await residency.stop()
             await asyncio.to_thread(gates.stop)
             await asyncio.to_thread(engine.stop)
 
     app = Litestar(
         route_handlers=[OpenAIController, TokenizeController, AdminController, DashboardController, health, stats, metrics_endpoint],
         lifespan=[lifespan],
-        state=State({"engine": engine, "router": Router(engine), "metrics": metrics}),
+        state=State({"engine": engine, "router": Router(engine), "metrics": metrics, "residency": residency}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=int(config.max_request_body_bytes),
         plugins=[RequestBodySchemas()],

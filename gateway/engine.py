@@ -46,6 +46,9 @@ class ServedModel:
     loaded: LoadedModel
     table: BucketTable
     draining: bool = False
+    # Requests the router has handed this model and not yet queued on a bucket (they keep an
+    # eviction's drain waiting: gateway/residency.py). Changed on the event loop only.
+    num_leases: int = 0
     layout_no: int = 0  # bumped by each new bucket layout (its buckets' keys on their slices)
     # Called with (model name, request, completion tokens, outcome) once per finished request.
     request_observers: list[RequestObserver] = field(default_factory=list)
@@ -62,8 +65,9 @@ class ServedModel:
         return "draining" if self.draining else "ready"
 
     def is_idle(self) -> bool:
-        """No request queued or running in any of its buckets (admission tickets included)."""
-        return all(bucket.is_idle() for bucket in self.table.buckets)
+        """No request queued, running or being routed in any of its buckets (admission tickets
+        and leases included)."""
+        return self.num_leases == 0 and all(bucket.is_idle() for bucket in self.table.buckets)
 
 
 def drain_buckets(buckets: list[Bucket], timeout_s: float, poll_s: float = 0.02) -> tuple[float, int]:
@@ -126,16 +130,18 @@ class Engine:
         self.kv_pool_bytes: dict[BucketKey, tuple[str, int]] = {}
 
     def start(self) -> None:
-        """Load every model, then start the slices side by side: a process or Ray slice's worker
-        loads its models itself, so several such slices load at once rather than one after
-        another.
+        """Load every model of ``load: at_start``, then start the slices side by side: a process
+        or Ray slice's worker loads its models itself, so several such slices load at once rather
+        than one after another. Models of ``load: on_demand`` load on their first request
+        (:mod:`gateway.residency`).
 
         Raises:
             RuntimeError: a slice could not start (the first such slice in config order; the
                 others have started or failed too).
         """
         for model_config in self.config.models:
-            self.models[model_config.name] = self._load(model_config)
+            if model_config.load == "at_start":
+                self.models[model_config.name] = self._load(model_config)
         slices = list(self.slices.values())
         with ThreadPoolExecutor(max(1, len(slices)), thread_name_prefix="slice-start") as pool:
             errors = [future.exception() for future in [pool.submit(s.start) for s in slices]]
@@ -149,13 +155,16 @@ class Engine:
         for device_slice in self.slices.values():
             device_slice.stop()
 
-    def unload(self, name: str, drain_timeout_s: float, poll_s: float = 0.02) -> dict[str, float | int]:
+    def unload(self, name: str, drain_timeout_s: float, poll_s: float = 0.02, forget: bool = True) -> dict[str, float | int]:
         """Drain model ``name`` and free it. Blocking: call it off the event loop.
 
-        New requests get 503 at once; those already admitted run to the end, for at most
-        ``drain_timeout_s`` seconds, after which the rest fail (:class:`ShuttingDownError`).
-        Then its batchers leave their slices and the model, its KV pools and its tokenizer are
-        dropped (``gc.collect``, and glibc's ``malloc_trim`` so the heap shrinks).
+        New requests get 503 at once (or, for a model :mod:`gateway.residency` evicts, wait for
+        it to load again); those already admitted, or being routed (``num_leases``), run to the
+        end, for at most ``drain_timeout_s`` seconds, after which the rest fail
+        (:class:`ShuttingDownError`). Then its batchers leave their slices and the model, its KV
+        pools and its tokenizer are dropped (``gc.collect``, and glibc's ``malloc_trim`` so the
+        heap shrinks). With ``forget`` the model leaves the effective config too (the admin's
+        DELETE); without it, it stays servable (an eviction).
 
         Returns:
             ``drain_s`` (seconds spent draining) and ``num_unfinished`` (requests failed at the timeout).
@@ -164,27 +173,35 @@ class Engine:
         """
         served = self.models[name]
         served.draining = True
-        drain_s, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s, poll_s)
+        started = time.monotonic()
+        while served.num_leases and time.monotonic() - started < drain_timeout_s:
+            time.sleep(poll_s)  # a request routed before the drain began is about to be queued
+        drain_s, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s - (time.monotonic() - started), poll_s)
+        drain_s = time.monotonic() - started
         del self.models[name]
         self.weight_bytes.pop(name, None)
         for bucket in served.table.buckets:
             self.kv_pool_bytes.pop(bucket.key, None)
-        self.config = self.config.model_copy(update={"models": [m for m in self.config.models if m.name != name]})
+        if forget:
+            self.config = self.config.model_copy(update={"models": [m for m in self.config.models if m.name != name]})
         del served
         release_memory()
         return {"drain_s": drain_s, "num_unfinished": num_unfinished}
 
-    def load(self, model: ModelConfig, config: GatewayConfig) -> ServedModel:
+    def load(self, model: ModelConfig, config: GatewayConfig, freeze: bool = True) -> ServedModel:
         """Load ``model`` (already validated as part of ``config``, the effective config with it)
-        and start serving it, its objects frozen with the heap (:func:`~models.cpu_memory.freeze_long_lived_objects`).
+        and start serving it; with ``freeze``, its objects frozen with the heap
+        (:func:`~models.cpu_memory.freeze_long_lived_objects`: full collections skip them; a
+        model that may be evicted is not frozen, so its cycles are collected when it goes).
         Blocking (seconds): call it off the event loop.
 
         Raises:
             ConfigError: its KV pools do not fit the slices' budgets.
         """
-        self._check_budgets(config)
+        self._check_budgets(config, resident={*self.models, model.name})
         served = self._load(model, config)
-        freeze_long_lived_objects()  # as the app does after start: full collections skip this model
+        if freeze:
+            freeze_long_lived_objects()  # as the app does after start: full collections skip this model
         self.models[model.name] = served
         self.config = config
         return served
@@ -285,17 +302,27 @@ class Engine:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         return self.config.model_dump(mode="json"), slice_name, level
 
-    def _check_budgets(self, config: GatewayConfig, replaced: Sequence[Bucket] = ()) -> None:
+    def _check_budgets(
+        self, config: GatewayConfig, replaced: Sequence[Bucket] = (), resident: set[str] | None = None
+    ) -> None:
         """Split the slices' KV memory for ``config`` and check their memory budgets with the
         weights loaded so far and the pools still allocated beside the new ones (``replaced``,
-        the buckets a change is about to close, and those still retiring); keep the split.
+        the buckets a change is about to close, and those still retiring), counting the models
+        loaded here (or ``resident``); keep the split.
 
         Raises:
             ConfigError: the KV pools, with the weights, do not fit a slice's budgets.
         """
         kv_memory_bytes = memory.split_kv_memory(config, build.slice_kv_budgets(config))
-        memory.check_slice_budgets(config, kv_memory_bytes, self.weight_bytes, self._draining_kv_bytes(replaced))
+        memory.check_slice_budgets(
+            config, kv_memory_bytes, self.weight_bytes, self._draining_kv_bytes(replaced),
+            resident=set(self.models) if resident is None else resident,
+        )
         self.kv_memory_bytes = kv_memory_bytes
+
+    def draining_kv_bytes(self) -> dict[str, int]:
+        """KV pool bytes per slice name of the buckets still retiring after a layout change."""
+        return self._draining_kv_bytes()
 
     def _draining_kv_bytes(self, replaced: Sequence[Bucket] = ()) -> dict[str, int]:
         """KV pool bytes per slice name of the buckets still retiring and of ``replaced``."""
@@ -304,6 +331,11 @@ class Engine:
             slice_name, pool_bytes = self.kv_pool_bytes.get(key, ("", 0))
             draining[slice_name] = draining.get(slice_name, 0) + pool_bytes
         return draining
+
+    def weights_device(self, config: ModelConfig) -> str:
+        """The device ``config``'s weights load on here: the first of its slices that runs in
+        this process (``cpu`` when none does)."""
+        return next((self.slices[b.slice].device for b in config.buckets if self.slices[b.slice].needs_weights), "cpu")
 
     def _needs_weights(self, config: ModelConfig) -> bool:
         """Whether a bucket of ``config`` runs in this process (on a slice that needs weights)."""
@@ -319,7 +351,7 @@ class Engine:
                 (the model is dropped again).
         """
         weights = self._needs_weights(config)
-        device = next((self.slices[b.slice].device for b in config.buckets if self.slices[b.slice].needs_weights), "cpu")
+        device = self.weights_device(config)
         loaded = load_model(config.name, config.source, config.task, config.dtype, device, self.cache_dir, weights=weights)
         model_weight_bytes = memory.weight_bytes(loaded.model) if weights else None
         log.info(
@@ -328,7 +360,10 @@ class Engine:
         )
         all_weights = self.weight_bytes if model_weight_bytes is None else {**self.weight_bytes, config.name: model_weight_bytes}
         try:
-            memory.check_slice_budgets(gateway_config or self.config, self.kv_memory_bytes, all_weights, self._draining_kv_bytes())
+            memory.check_slice_budgets(
+                gateway_config or self.config, self.kv_memory_bytes, all_weights, self._draining_kv_bytes(),
+                resident={*self.models, config.name},
+            )
         except ConfigError:
             loaded = None  # type: ignore[assignment]  # drop the weights: the traceback keeps this frame
             release_memory()

@@ -117,6 +117,41 @@ def model_unavailable(name: str, retry_after_s: int) -> APIError:
     )
 
 
+def model_load_failed(name: str, reason: str, retry_after_s: int) -> APIError:
+    """503 ``model_load_failed`` with ``Retry-After``: loading the model on demand failed; the
+    next request after ``retry_after_s`` tries again."""
+    return APIError(
+        503, f"The model '{name}' failed to load: {reason}; retry after {retry_after_s} s",
+        "service_unavailable_error", param="model", code="model_load_failed", headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def insufficient_memory(name: str, needed: str, retry_after_s: int) -> APIError:
+    """503 ``insufficient_memory`` with ``Retry-After``: the model cannot be loaded now, as the
+    models that hold the memory are pinned or loading (``needed`` says what is short)."""
+    return APIError(
+        503, f"Not enough memory to load the model '{name}' now: {needed}; retry after {retry_after_s} s",
+        "service_unavailable_error", param="model", code="insufficient_memory", headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def model_too_large(name: str, needed_bytes: int, budget_bytes: int, budget: str) -> APIError:
+    """503 ``model_too_large``: the model alone needs more than a memory budget holds."""
+    return APIError(
+        503, f"The model '{name}' needs {needed_bytes} bytes (weights and KV pools), over {budget} of {budget_bytes} bytes",
+        "service_unavailable_error", param="model", code="model_too_large",
+    )
+
+
+def load_queue_full(name: str, max_waiters: int, retry_after_s: int) -> APIError:
+    """429 ``queue_full`` with ``Retry-After``: ``max_waiters`` requests already wait for the
+    model to load."""
+    return APIError(
+        429, f"{max_waiters} requests already wait for the model '{name}' to load; retry after {retry_after_s} s",
+        "rate_limit_error", param="model", code="queue_full", headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 # Seconds a client is asked to wait after its slice's worker process died (it is restarting).
 WORKER_RETRY_AFTER_S = 5
 

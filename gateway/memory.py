@@ -7,7 +7,7 @@ for every bucket, and tests check the figures with plain numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from gateway.config import ContinuousBatcherConfig, GatewayConfig
@@ -126,17 +126,60 @@ def weight_bytes(model: Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
+GATEWAY_SCOPE = "gateway"  # the gateway-wide memory_budget_bytes
+DEFAULT_GATEWAY_MEMORY_FRACTION = 0.8
+
+
+def slice_scope(slice_name: str) -> str:
+    """The budget scope of slice ``slice_name`` (:mod:`policies.eviction`)."""
+    return f"slice:{slice_name}"
+
+
+def default_gateway_memory_bytes(physical_memory_bytes: int) -> int:
+    """The gateway-wide budget when the config sets none: 80 % of the machine's RAM."""
+    return int(physical_memory_bytes * DEFAULT_GATEWAY_MEMORY_FRACTION)
+
+
+def budgets_by_scope(config: GatewayConfig, physical_memory_bytes: int) -> dict[str, int]:
+    """Bytes each budget scope may hold: the gateway's ``memory_budget_bytes`` (default
+    :func:`default_gateway_memory_bytes`) and each slice's that sets one."""
+    gateway = int(config.memory_budget_bytes or default_gateway_memory_bytes(physical_memory_bytes))
+    budgets = {GATEWAY_SCOPE: gateway}
+    budgets.update({slice_scope(s.name): int(s.memory_budget_bytes) for s in config.slices if s.memory_budget_bytes})
+    return budgets
+
+
+def model_bytes_by_scope(config: GatewayConfig, name: str, kv_bytes: dict[BucketName, int], model_weight_bytes: int) -> dict[str, int]:
+    """Bytes model ``name`` holds in each scope once loaded: its weights (``model_weight_bytes``)
+    and KV pools (``kv_bytes``, as :func:`split_kv_memory` gives them) in the gateway scope; on
+    each slice it has a bucket on, its weights (counted on every such slice, as
+    :func:`check_slice_budgets` does) and the pools of its buckets there.
+
+    Raises:
+        KeyError: no model ``name`` in ``config``.
+    """
+    model = next(m for m in config.models if m.name == name)
+    pools = {b.slice: 0 for b in model.buckets}
+    for bucket in model.buckets:
+        pools[bucket.slice] += kv_bytes.get((name, bucket.bucket_name), 0)
+    scopes = {GATEWAY_SCOPE: model_weight_bytes + sum(pools.values())}
+    scopes.update({slice_scope(s): model_weight_bytes + pool for s, pool in pools.items()})
+    return scopes
+
+
 def check_slice_budgets(
     config: GatewayConfig,
     kv_bytes: dict[BucketName, int],
     weights: dict[str, int],
     draining_kv_bytes: dict[str, int] | None = None,
+    resident: Collection[str] | None = None,
 ) -> None:
     """Every slice with a ``memory_budget_bytes`` holds the weights of the models with a bucket
     on it (those in ``weights``, bytes: loaded so far in this process), the KV pools of its
     continuous buckets (``kv_bytes``, bytes) and the pools still allocated beside them
     (``draining_kv_bytes``, bytes per slice name: the buckets a rebuild or a new layout replaced,
-    which keep their pools until they have drained).
+    which keep their pools until they have drained). With ``resident`` (model names), only those
+    models count: the others are servable on demand and not loaded.
 
     Raises:
         ConfigError: naming the slice, its weights, KV and draining KV bytes, and its budget
@@ -146,10 +189,11 @@ def check_slice_budgets(
         budget = slice_config.memory_budget_bytes
         if budget is None:
             continue
-        models = [m.name for m in config.models if any(b.slice == slice_config.name for b in m.buckets)]
+        counted = [m for m in config.models if resident is None or m.name in resident]
+        models = [m.name for m in counted if any(b.slice == slice_config.name for b in m.buckets)]
         weights_total = sum(weights.get(name, 0) for name in models)
         kv_total = sum(
-            kv_bytes.get((m.name, b.bucket_name), 0) for m in config.models for b in config.continuous_buckets(slice_config.name)
+            kv_bytes.get((m.name, b.bucket_name), 0) for m in counted for b in config.continuous_buckets(slice_config.name)
             if b in m.buckets
         )
         draining_total = (draining_kv_bytes or {}).get(slice_config.name, 0)

@@ -30,6 +30,7 @@ from gateway.outcome import Outcome, outcome_of_status
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
+    from gateway.residency import Residency
 
 # The Prometheus text format's media type; litestar adds ``charset=utf-8`` to a text/* type itself.
 CONTENT_TYPE = "text/plain; version=0.0.4"
@@ -124,11 +125,35 @@ class Metrics:
         self.generation_tokens = Counter(
             "sluice_generation_tokens", "Generated tokens of finished requests.", LABELS, registry=registry
         )
+        self.model_loads = Counter(
+            "sluice_model_loads", "Model loads on demand by outcome (ok, failed).", ("model", "outcome"), registry=registry
+        )
+        self.model_evictions = Counter(
+            "sluice_model_evictions", "Models unloaded by reason (lru, idle, admin).", ("model", "reason"), registry=registry
+        )
+        self.model_load_seconds = Histogram(
+            "sluice_model_load_seconds", "A load on demand, its evictions included, start to serving.", ("model",),
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )
         self._engine = engine
         self._recent: dict[tuple[str, str], deque[RequestTiming]] = {}
         self._unrouted: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         registry.register(EngineCollector(engine, self.unrouted_counts))
+
+    def watch_residency(self, residency: Residency) -> None:
+        """Export ``residency``'s resident bytes per model and budgets per scope at scrape time."""
+        self.registry.register(ResidencyCollector(residency))
+
+    def observe_model_load(self, model: str, outcome: str, duration_s: float) -> None:
+        """Count a load on demand (``outcome`` ok or failed) and its seconds."""
+        self.model_loads.labels(model, outcome).inc()
+        if outcome == "ok":
+            self.model_load_seconds.labels(model).observe(duration_s)
+
+    def observe_model_eviction(self, model: str, reason: str) -> None:
+        """Count a model unloaded by ``reason`` (lru, idle, admin)."""
+        self.model_evictions.labels(model, reason).inc()
 
     def observe_request(self, model: str, request: Request, completion_tokens: int, outcome: str) -> None:
         """Record a finished request (any outcome) once; latencies only where it reached that stage."""
@@ -233,3 +258,24 @@ class EngineCollector:
             busy.add_metric([slice_name], device_slice.busy_ratio())
             busy_s.add_metric([slice_name], device_slice.busy_s)
         yield from (requests, preemptions, waiting, running, kv_usage, busy, busy_s)
+
+
+class ResidencyCollector:
+    """Reads the residency at scrape time: ``sluice_model_resident_bytes{model}`` (weights and KV
+    pools of each loaded model) and ``sluice_memory_budget_bytes{slice}`` (``slice`` empty: the
+    gateway's budget)."""
+
+    def __init__(self, residency: Residency):
+        self.residency = residency
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        resident = GaugeMetricFamily("sluice_model_resident_bytes", "Bytes a loaded model holds (weights, KV pools).", labels=["model"])
+        for model, num_bytes in sorted(self.residency.resident_bytes().items()):
+            resident.add_metric([model], num_bytes)
+        budget = GaugeMetricFamily("sluice_memory_budget_bytes", "Memory budget in bytes (slice empty: the gateway's).", labels=["slice"])
+        for scope, num_bytes in sorted(self.residency.budgets.items()):
+            budget.add_metric([scope.removeprefix("slice:") if scope.startswith("slice:") else ""], num_bytes)
+        yield from (resident, budget)

@@ -84,6 +84,32 @@ def load_model(
     )
 
 
+def estimate_weight_bytes(folder: Path, task: Task, dtype: str, device: str) -> int:
+    """Bytes the weights of the model in ``folder`` take once loaded as ``dtype`` on ``device``:
+    its parameters and buffers counted on a model built on torch's ``meta`` device from the
+    folder's ``config.json`` (no weight is read), each parameter at ``dtype``'s size (buffers at
+    their own); a CPU decoder's linear tied to another weight (the LM head to the embedding)
+    counted twice, as :func:`~models.cpu_linear.prepack_linears` packs a copy of it. What
+    :func:`gateway.memory.weight_bytes` measures after the load (SmolLM2: 651,306,496 both).
+
+    Raises:
+        OSError, ValueError: the folder has no usable ``config.json``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    factory = AutoModelForCausalLM if task == "generate" else AutoModel
+    with torch.device("meta"):
+        model = factory.from_config(config, dtype=getattr(torch, DTYPES[dtype]))
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if task == "generate" and device == "cpu" and dtype in ("float32", "bfloat16"):
+        linear_weights = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear}
+        tied = {id(p): p for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
+        total += sum(p.numel() * p.element_size() for key, p in tied.items() if key in linear_weights)
+    return total
+
+
 def _load_weights(folder: Path, task: Task, dtype: str, device: str) -> Any:
     """The model in ``folder`` with ``dtype`` weights on ``device``, in eval mode; a decoder
     with Sluice's attention, fused norms and prepacked linears."""

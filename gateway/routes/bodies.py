@@ -10,6 +10,7 @@ from litestar import Request
 from pydantic import BaseModel, ValidationError
 
 from gateway.access_log import note
+from gateway.config import ModelConfig
 from gateway.engine import ServedModel
 from gateway.errors import invalid_request, validation_error
 from gateway.router import Router
@@ -64,17 +65,18 @@ def resolve_max_tokens(served: ServedModel, requested: int | None, default: int,
     return requested
 
 
-def resolve_deadline_s(served: ServedModel, requested_s: float | None, arrival_s: float) -> float | None:
+def resolve_deadline_s(model: ModelConfig, requested_s: float | None, arrival_s: float) -> float | None:
     """The request's deadline (``time.monotonic()`` seconds; ``None``: none) from its body's
-    ``timeout`` and the model's ``default_timeout_s`` and ``max_timeout_s``.
+    ``timeout`` and the model's ``default_timeout_s`` and ``max_timeout_s`` (``model``: its
+    config, known before it is loaded: a load's wait counts against the deadline).
 
     Raises:
         APIError: 400 (``timeout``, ``timeout_exceeded``) over the model's cap.
     """
     try:
-        timeout_s = resolve_timeout_s(requested_s, served.config.default_timeout_s, served.config.max_timeout_s)
+        timeout_s = resolve_timeout_s(requested_s, model.default_timeout_s, model.max_timeout_s)
     except TimeoutOverCapError as exc:
-        raise invalid_request(f"{exc} for the model '{served.config.name}'", param="timeout", code="timeout_exceeded") from None
+        raise invalid_request(f"{exc} for the model '{model.name}'", param="timeout", code="timeout_exceeded") from None
     return None if timeout_s is None else arrival_s + timeout_s
 
 

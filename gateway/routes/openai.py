@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -12,10 +12,12 @@ from litestar import Controller, Request, get, post
 from litestar.response import Response, Stream
 
 from buckets.request import EmbeddingRequest, GenerationRequest, Request as CoreRequest
+from gateway.config import ModelConfig
 from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, model_not_found
 from gateway.response_format import ResponseFormat
 from gateway.http_edge import request_id_of
+from gateway.residency import Residency, describe_state
 from gateway.router import Prompt, Router, TokenBudget
 from gateway.routes.bodies import check_priority, parse_body, resolve_deadline_s, resolve_max_tokens, sampling_params
 from gateway.routes.choices import PromptSource, check_choices, completion_prompts
@@ -32,33 +34,55 @@ def _router(request: Request[Any, Any, Any]) -> Router:
     return request.app.state.router  # type: ignore[no-any-return]
 
 
+def _residency(request: Request[Any, Any, Any]) -> Residency:
+    return request.app.state.residency  # type: ignore[no-any-return]
+
+
+async def _served_call(
+    request: Request[Any, Any, Any], body: Any, task: str, arrival_s: float, handler: Callable[..., Awaitable[Any]]
+) -> Any:
+    """Check ``body``'s model (404, 400 ``wrong_task``), priority and timeout, then run
+    ``handler(request, router, served, body, arrival_s, deadline_s)`` on the served model, loaded
+    first when it is not (the wait counts against the deadline), under a lease that keeps an
+    eviction from draining it before its requests are queued."""
+    router = _router(request)
+    model = _residency(request).model_config(body.model, task)
+    check_priority(router, body.priority)
+    deadline_s = resolve_deadline_s(model, body.timeout, arrival_s)
+    async with _residency(request).serving(body.model, deadline_s) as served:
+        return await handler(request, router, served, body, arrival_s, deadline_s)
+
+
 class OpenAIController(Controller):
     path = "/v1"
 
     @get("/models")
     async def list_models(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
-        """Every served model, as :func:`model_card` describes it."""
-        models = list(_router(request).engine.models.values())
-        return {"object": "list", "data": [model_card(m) for m in models]}
+        """Every servable model, loaded or not, as :func:`model_card` describes it."""
+        residency = _residency(request)
+        return {"object": "list", "data": [model_card(residency, m) for m in list(residency.engine.config.models)]}
 
     @get("/models/{model_id:path}")
     async def retrieve_model(self, request: Request[Any, Any, Any], model_id: str) -> dict[str, Any]:
-        """One served model (a name may hold ``/``). Raises APIError 404 for an unknown one."""
+        """One servable model (a name may hold ``/``). Raises APIError 404 for an unknown one."""
         name = model_id.lstrip("/")
-        served = _router(request).engine.models.get(name)
-        if served is None:
+        residency = _residency(request)
+        model = next((m for m in residency.engine.config.models if m.name == name), None)
+        if model is None:
             raise model_not_found(name)
-        return model_card(served)
+        return model_card(residency, model)
 
     @post("/completions", status_code=200)
     async def completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
         arrival_s = time.monotonic()
         body = await parse_body(request, CompletionBody)
-        router = _router(request)
-        served = router.model(body.model, "generate")
-        check_priority(router, body.priority)
+        return await _served_call(request, body, "generate", arrival_s, self._completions)  # type: ignore[no-any-return]
+
+    async def _completions(
+        self, request: Request[Any, Any, Any], router: Router, served: ServedModel, body: CompletionBody,
+        arrival_s: float, deadline_s: float | None,
+    ) -> Response[Any] | Stream:
         check_choices(served, body.n, body.best_of)
-        deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         max_tokens = resolve_max_tokens(served, body.max_tokens, 16, "max_tokens")
         if max_tokens == 0 and not body.echo:
             raise invalid_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
@@ -73,11 +97,13 @@ class OpenAIController(Controller):
     async def chat_completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
         arrival_s = time.monotonic()
         body = await parse_body(request, ChatCompletionBody)
-        router = _router(request)
-        served = router.model(body.model, "generate")
-        check_priority(router, body.priority)
+        return await _served_call(request, body, "generate", arrival_s, self._chat_completions)  # type: ignore[no-any-return]
+
+    async def _chat_completions(
+        self, request: Request[Any, Any, Any], router: Router, served: ServedModel, body: ChatCompletionBody,
+        arrival_s: float, deadline_s: float | None,
+    ) -> Response[Any] | Stream:
         check_choices(served, body.n, None)
-        deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
         param, requested = _chat_max_tokens(body)
 
         def budget(num_prompt_tokens: int) -> int:
@@ -94,10 +120,12 @@ class OpenAIController(Controller):
     async def embeddings(self, request: Request[Any, Any, Any]) -> Response[Any]:
         arrival_s = time.monotonic()
         body = await parse_body(request, EmbeddingBody)
-        router = _router(request)
-        served = router.model(body.model, "embed")
-        check_priority(router, body.priority)
-        deadline_s = resolve_deadline_s(served, body.timeout, arrival_s)
+        return await _served_call(request, body, "embed", arrival_s, self._embeddings)  # type: ignore[no-any-return]
+
+    async def _embeddings(
+        self, request: Request[Any, Any, Any], router: Router, served: ServedModel, body: EmbeddingBody,
+        arrival_s: float, deadline_s: float | None,
+    ) -> Response[Any]:
         check_dimensions(served, body.dimensions)
         token_lists = await input_token_lists(router, served, body)
         for ids in token_lists:  # all inputs fit, or none is queued
@@ -131,12 +159,16 @@ class OpenAIController(Controller):
         return Response(body_out, headers=timing_headers(slowest))
 
 
-def model_card(served: ServedModel) -> dict[str, Any]:
-    """A model as OpenAI's ``/v1/models`` lists it, with vLLM's ``max_model_len`` and the task:
-    ``created`` is the Unix time (seconds) it finished loading."""
+def model_card(residency: Residency, model: ModelConfig) -> dict[str, Any]:
+    """A model as OpenAI's ``/v1/models`` lists it, with vLLM's ``max_model_len``, the task, and
+    llama.cpp's router's ``status`` (``{"value": loaded | loading | unloading | unloaded |
+    failed}``, with ``reason`` for a failed load): ``created`` is the Unix time (seconds) it
+    finished loading, or the gateway's start for a model not loaded."""
+    served = residency.engine.models.get(model.name)
+    created_s = served.created_s if served is not None else residency.started_unix_s
     return {
-        "id": served.config.name, "object": "model", "created": int(served.created_s), "owned_by": "sluice",
-        "max_model_len": served.config.max_model_len, "task": served.config.task,
+        "id": model.name, "object": "model", "created": int(created_s), "owned_by": "sluice",
+        "max_model_len": model.max_model_len, "task": model.task, "status": describe_state(residency, model.name),
     }
 
 

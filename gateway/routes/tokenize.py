@@ -7,25 +7,30 @@ against ``max_model_len`` before sending it, or reads back the text of ids it ho
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from litestar import Controller, Request, post
 
 from gateway.engine import ServedModel
-from gateway.errors import model_not_found
+from gateway.residency import Residency
 from gateway.prompts import Piece
 from gateway.router import MAX_INLINE_PROMPT_TOKENS, Router
 from gateway.routes.bodies import check_token_ids, parse_body
 from gateway.schemas import DetokenizeBody, TokenizeBody
 
 
-def _served(request: Request[Any, Any, Any], name: str) -> tuple[Router, ServedModel]:
-    """The router and the served model ``name`` (any task). Raises APIError 404 for an unknown one."""
-    router: Router = request.app.state.router
-    served = router.engine.models.get(name)
-    if served is None:
-        raise model_not_found(name)
-    return router, served
+@asynccontextmanager
+async def _served(request: Request[Any, Any, Any], name: str) -> AsyncIterator[tuple[Router, ServedModel]]:
+    """The router and the served model ``name`` (any task), loaded first when it is not.
+
+    Raises:
+        APIError: 404 for an unknown model; the 503s of a load (:meth:`Residency.acquire`).
+    """
+    residency: Residency = request.app.state.residency
+    async with residency.serving(name, None) as served:
+        yield request.app.state.router, served
 
 
 class TokenizeController(Controller):
@@ -41,8 +46,8 @@ class TokenizeController(Controller):
                 (``messages``); 404 for an unknown model.
         """
         body = await parse_body(request, TokenizeBody)
-        router, served = _served(request, body.model)
-        encoder = await router.encoder(served)
+        async with _served(request, body.model) as (router, served):
+            encoder = await router.encoder(served)
         if body.messages is not None:
             pieces = encoder.chat_pieces(body.messages, served.config.name, body.add_generation_prompt)
         else:
@@ -63,8 +68,8 @@ class TokenizeController(Controller):
                 an unknown model.
         """
         body = await parse_body(request, DetokenizeBody)
-        router, served = _served(request, body.model)
-        encoder = await router.encoder(served)
+        async with _served(request, body.model) as (router, served):
+            encoder = await router.encoder(served)
         check_token_ids(body.tokens, encoder.vocab_size, "tokens")
         if len(body.tokens) <= MAX_INLINE_PROMPT_TOKENS:
             text = encoder.tokenizer.decode(body.tokens)

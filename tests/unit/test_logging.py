@@ -89,9 +89,11 @@ def test_health_verbose_bare_or_true_adds_the_gates(verbose: str | None, has_gat
     from gateway.app import health
 
     engine = SimpleNamespace(models={})
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(engine=engine)))
+    residency = SimpleNamespace(loading=lambda: ["loading-model"])
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(engine=engine, residency=residency)))
     body = asyncio.run(health.fn(request=request, verbose=verbose))
     assert body["status"] == "ok" and ("gates" in body) is has_gates
+    assert body.get("loading") == (["loading-model"] if has_gates else None)
 
 
 class RecordingStream:
