@@ -258,6 +258,7 @@ def config_for_sources(sources: list[str], models_dir: str | None) -> GatewayCon
     slice_config = SliceConfig(
         name=DEFAULT_SLICE, device="cpu", num_threads=num_threads, kv_cache_memory_bytes=ByteSize(DEFAULT_KV_CACHE_MEMORY_BYTES)
     )
+    # Not valid by itself (no models yet): add_sources adds them and validates the whole.
     base = GatewayConfig.model_construct(
         slices=[slice_config], models=[], models_dir=models_dir, model_defaults=ModelDefaultsConfig()
     )
