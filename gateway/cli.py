@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
     from models.kv_plan import KVSource
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -36,14 +37,13 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.config import load_config
     from gateway.errors import ConfigError
     from gateway.logging import configure_logging
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     configure_logging(args.log_level.upper())
     try:
-        config = load_config(args.config)
+        config = _serve_config(args)
     except ConfigError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
@@ -62,14 +62,54 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_config(args: argparse.Namespace) -> GatewayConfig:
+    """The config ``serve`` and ``prepare`` run: ``--config`` (default ``DEFAULT_CONFIG``); or,
+    with ``--model`` or ``--models-dir`` and no ``--config``, the config those flags make
+    (:func:`gateway.catalog.config_for_sources`); with both, the file's models plus the
+    ``--model`` ones (loaded at start) and ``--models-dir`` in place of its ``models_dir``.
+    Then every model of the ``models_dir`` is added (:func:`gateway.catalog.expand_models_dir`).
+
+    Raises:
+        ConfigError: an invalid file or flag, an unusable model, or a ``--model`` whose name
+            another model has.
+    """
+    from gateway.catalog import add_sources, config_for_sources, expand_models_dir
+    from gateway.config import load_config
+
+    has_model_flags = bool(args.model) or args.models_dir is not None
+    if args.config is None and has_model_flags:
+        config = config_for_sources(args.model, args.models_dir)
+    else:
+        config = load_config(args.config or DEFAULT_CONFIG)
+        if has_model_flags:
+            config = add_sources(config, args.model, args.models_dir)
+    return expand_models_dir(config)
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """``--config``, ``--model`` and ``--models-dir``, as ``serve`` and ``prepare`` take them."""
+    parser.add_argument(
+        "--config", default=None,
+        help=f"config file (default {DEFAULT_CONFIG}, unless --model or --models-dir is given)",
+    )
+    parser.add_argument(
+        "--model", action="append", default=[], metavar="PATH",
+        help="serve this .gguf file, Hugging Face folder or pkg: source, loaded at start, named after its "
+        "file stem or folder name (repeatable; with --config: added to its models)",
+    )
+    parser.add_argument(
+        "--models-dir", metavar="DIR",
+        help="serve every .gguf file and model folder in DIR, loaded on demand (with --config: in place of its models_dir)",
+    )
+
+
 def _prepare(args: argparse.Namespace) -> int:
     """Do what a first start would otherwise do before serving (``make install`` runs it): convert
-    the config's GGUF models to safetensors folders and build the C++ kernels (decode attention, the
+    the GGUF sources of the config's models loaded at start to safetensors folders and build the C++ kernels (decode attention, the
     lean kinds' quantized products), all cached, each step logging its start, end and
     ``duration_s``. A kernel that cannot be built is logged (serving then uses torch's attention
     and torch's quantized ops) and is no failure. Returns 2 for an unusable config or
     model source."""
-    from gateway.config import load_config
     from gateway.errors import ConfigError
     from gateway.logging import configure_logging
     from models.errors import ModelError
@@ -80,10 +120,11 @@ def _prepare(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     configure_logging(args.log_level.upper())
     try:
-        config = load_config(args.config)
+        config = _serve_config(args)
         cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
         for model in config.models:
-            model_folder(model.source, cache_dir)
+            if model.load == "at_start":
+                model_folder(model.source, cache_dir)
     except (ConfigError, ModelError) as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
@@ -171,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice inference serving gateway")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the gateway")
-    serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    _add_model_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -181,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
     prepare = commands.add_parser("prepare", help="convert the config's GGUF models and build the C++ kernel ahead of serving")
-    prepare.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    _add_model_flags(prepare)
     prepare.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     prepare.set_defaults(func=_prepare)
     bench = commands.add_parser("bench", help="benchmarks")

@@ -79,11 +79,21 @@ def run_server_process(
     config: Path, log_path: Path, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[type-arg]
     """As :func:`run_server`, yielding ``(base URL, process)``."""
+    with run_server_args(["--config", str(config)], log_path, env) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def run_server_args(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[type-arg]
+    """As :func:`run_server_process` for ``python -m gateway serve ARGS`` (``--model PATH``,
+    ``--models-dir DIR`` or ``--config FILE``), on a free port."""
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port), "--log-level", "info"],
+            [sys.executable, "-m", "gateway", "serve", *args, "--port", str(port), "--log-level", "info"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
