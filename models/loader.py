@@ -85,29 +85,58 @@ def load_model(
 
 
 def estimate_weight_bytes(folder: Path, task: Task, dtype: str, device: str) -> int:
-    """Bytes the weights of the model in ``folder`` take once loaded as ``dtype`` on ``device``:
-    its parameters and buffers counted on a model built on torch's ``meta`` device from the
-    folder's ``config.json`` (no weight is read), each parameter at ``dtype``'s size (buffers at
-    their own); a CPU decoder's linear tied to another weight (the LM head to the embedding)
-    counted twice, as :func:`~models.cpu_linear.prepack_linears` packs a copy of it. What
-    :func:`gateway.memory.weight_bytes` measures after the load (SmolLM2: 651,306,496 both).
+    """Bytes the weights of the model in ``folder`` take once loaded as ``dtype`` on ``device``,
+    from its safetensors headers (no weight is read, no torch state is touched, so it is safe
+    beside a load on another thread): each floating tensor at ``dtype``'s size, others at their
+    own; a CPU decoder's tied LM head counted again, as :func:`~models.cpu_linear.prepack_linears`
+    packs a copy of the embedding it shares. A folder without safetensors counts its ``.bin``
+    files' sizes. What :func:`gateway.memory.weight_bytes` measures after the load, less
+    non-persistent buffers (SmolLM2: 651,306,240 estimated, 651,306,496 measured).
 
     Raises:
-        OSError, ValueError: the folder has no usable ``config.json``.
+        OSError, ValueError: the folder's config or a safetensors header cannot be read.
     """
-    import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    tensors = _safetensors_tensors(folder)
+    if not tensors:
+        return sum(f.stat().st_size for f in folder.glob("*.bin"))
+    target_bytes = DTYPE_BYTES[dtype]
+    sizes = {name: numel * (target_bytes if kind in _FLOAT_KINDS else _KIND_BYTES.get(kind, 4)) for name, (numel, kind) in tensors.items()}
+    total = sum(sizes.values())
     config = AutoConfig.from_pretrained(folder)
-    factory = AutoModelForCausalLM if task == "generate" else AutoModel
-    with torch.device("meta"):
-        model = factory.from_config(config, dtype=getattr(torch, DTYPES[dtype]))
-    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    if task == "generate" and device == "cpu" and dtype in ("float32", "bfloat16"):
-        linear_weights = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear}
-        tied = {id(p): p for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)}
-        total += sum(p.numel() * p.element_size() for key, p in tied.items() if key in linear_weights)
+    if task == "generate" and device == "cpu" and dtype in ("float32", "bfloat16") and getattr(config, "tie_word_embeddings", False):
+        total += sum(size for name, size in sizes.items() if name.endswith(_EMBEDDING_SUFFIXES))
     return total
+
+
+_FLOAT_KINDS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+_KIND_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+
+
+def _safetensors_tensors(folder: Path) -> dict[str, tuple[int, str]]:
+    """``name -> (element count, safetensors dtype)`` of every tensor in the folder's
+    ``*.safetensors`` files, read from their headers (an 8-byte little-endian length, then JSON).
+
+    Raises:
+        ValueError: a header is not valid JSON.
+    """
+    import json
+    import math
+
+    tensors: dict[str, tuple[int, str]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as file:
+            header_len = int.from_bytes(file.read(8), "little")
+            try:
+                header = json.loads(file.read(header_len))
+            except ValueError as exc:
+                raise ValueError(f"{path}: not a readable safetensors file (its header: {exc})") from None
+        for name, info in header.items():
+            if name != "__metadata__":
+                tensors[name] = (math.prod(info["shape"]), info["dtype"])
+    return tensors
 
 
 def _load_weights(folder: Path, task: Task, dtype: str, device: str) -> Any:

@@ -43,7 +43,7 @@ def eviction_order(resident: Sequence[ResidentModel]) -> list[ResidentModel]:
 def choose_victims(
     resident: Sequence[ResidentModel], needed_bytes: Mapping[str, int], free_bytes: Mapping[str, int]
 ) -> list[str] | None:
-    """The fewest models, taken in :func:`eviction_order`, whose bytes free every scope enough
+    """The models, taken in :func:`eviction_order` until their bytes free every scope enough
     for ``needed_bytes`` (bytes per scope the new model takes), given ``free_bytes`` (bytes free
     per scope now; a scope absent from it has no budget). A model is taken only when it holds
     bytes in a scope still short. Returns their names in eviction order (empty when it fits
