@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from gateway import memory
 from gateway.config import ModelConfig
 from gateway.engine import Engine, ServedModel
+from gateway.gate_process import lower_thread_priority
 from gateway.errors import (
     APIError,
     ConfigError,
@@ -54,9 +56,14 @@ from models.source import model_folder
 from policies.eviction import ResidentModel, choose_victims, idled_out
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # The most seconds between two looks for models past their idle_unload_s.
 MAX_IDLE_CHECK_S = 1.0
+# The CPU priority (nice) of a load's thread and the threads it starts (prepacking): the models
+# serving meanwhile keep the cores first (Linux weighs nice 10 at a tenth of nice 0), while a
+# load on an idle machine runs at full speed.
+LOAD_NICE = 10
 
 
 class ModelState(str, Enum):
@@ -320,16 +327,16 @@ class Residency:
         try:
             if entry.unloading is not None:
                 await entry.unloading  # its own eviction's drain ends first
-            config = self.engine.config
             model = self._config(name)
             if model is None:
                 raise model_not_found(name)
             if entry.weight_bytes_estimate is None:
                 entry.weight_bytes_estimate = await asyncio.to_thread(self._estimate_weight_bytes, model)
-            needed = memory.model_bytes_by_scope(config, name, self.engine.kv_memory_bytes, entry.weight_bytes_estimate)
+            needed = memory.model_bytes_by_scope(self.engine.config, name, self.engine.kv_memory_bytes, entry.weight_bytes_estimate)
             await self._make_room(name, needed)
             try:
-                served = await asyncio.to_thread(self.engine.load, model, config, False)
+                model = self._config(name) or model  # as the config is now (a pin may have changed it)
+                served = await _in_niced_thread(f"load-{name}", self.engine.load, model, self.engine.config, False)
             finally:
                 self._reserved.pop(name, None)
         except APIError as exc:
@@ -485,6 +492,34 @@ class Residency:
                 is_pinned=config.is_pinned or entry.num_waiters > 0, is_busy=not served.is_idle(),
             ))
         return resident
+
+
+async def _in_niced_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a new thread called ``name`` at CPU priority :data:`LOAD_NICE`
+    (:func:`~gateway.gate_process.lower_thread_priority`; not a pooled thread, which would keep
+    the priority), awaited without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        lower_thread_priority(LOAD_NICE)
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001  (handed to the awaiting coroutine)
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
 
 
 def _scope_words(scope: str) -> str:

@@ -29,9 +29,11 @@ def _save_tokenizer(source_folder: Path, folder: Path) -> int:
     return len(tokenizer)
 
 
-def write_tiny_llama(folder: Path) -> Path:
-    """Write a tiny ``LlamaForCausalLM`` folder (2 layers, hidden 32, 4 heads of which 2 KV,
-    context ``TINY_LLAMA_MAX_POSITIONS`` tokens) with SmolLM2's tokenizer to ``folder``; return it."""
+def write_tiny_llama(folder: Path, hidden_size: int = 32, num_layers: int = 2) -> Path:
+    """Write a tiny ``LlamaForCausalLM`` folder (``num_layers`` layers of ``hidden_size``, 4 heads
+    of which 2 KV, context ``TINY_LLAMA_MAX_POSITIONS`` tokens, its embedding tied to the LM head)
+    with SmolLM2's tokenizer to ``folder``; return it. Hidden size 256 makes a 50 MB model (100 MB
+    loaded on a CPU, where the LM head is packed apart)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +43,8 @@ def write_tiny_llama(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     vocab_size = _save_tokenizer(smollm2, folder)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=TINY_LLAMA_MAX_POSITIONS, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
