@@ -1,5 +1,6 @@
-"""Dashboards: ``GET /dashboard`` lists every model and bucket with its headline figures;
-``GET /dashboard/{model}/{bucket}`` draws live charts from ``GET /dashboard/api/{model}/{bucket}``,
+"""Dashboards: ``GET /dashboard`` lists every servable model (loaded or not) with its status and
+resident bytes, the gateway's memory budget, and every bucket with its headline figures, all from
+``GET /dashboard/api``; ``GET /dashboard/{model}/{bucket}`` draws live charts from ``GET /dashboard/api/{model}/{bucket}``,
 which the page polls every second.
 
 The pages work offline: the charts are drawn by Plotly, whose minified bundle the ``plotly``
@@ -25,10 +26,13 @@ from litestar import Controller, MediaType, Request, get
 from litestar.response import File
 
 from buckets.bucket import Bucket
+from gateway import memory
 from gateway.engine import Engine, ServedModel
 from gateway.errors import APIError, model_not_found
 from gateway.metrics import Metrics, RequestTiming
 from gateway.outcome import Outcome
+from gateway.residency import Residency, describe_state
+from models.kv_plan import format_bytes
 
 # Latency percentiles over the requests finished in the last minute; throughput over 10 s.
 LATENCY_WINDOW_S = 60.0
@@ -114,6 +118,41 @@ def bucket_snapshot(served: ServedModel, bucket: Bucket, metrics: Metrics, now_s
     }
 
 
+def model_rows(residency: Residency, resident_bytes: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per servable model, loaded or not: its ``status`` (:func:`describe_state`), its
+    bucket names and ``resident_bytes`` (from ``resident_bytes``, :meth:`Residency.resident_bytes`);
+    no buckets and ``resident_bytes`` None while it is not loaded."""
+    rows = []
+    for model in list(residency.engine.config.models):
+        served = residency.engine.models.get(model.name)
+        rows.append({
+            "model": model.name,
+            "task": model.task,
+            "load": model.load,
+            "status": describe_state(residency, model.name),
+            "buckets": [b.name for b in served.table.buckets] if served is not None else [],
+            "resident_bytes": resident_bytes.get(model.name),
+        })
+    return rows
+
+
+def overview(residency: Residency, metrics: Metrics, now_s: float) -> dict[str, Any]:
+    """Everything the overview page shows: every servable model (:func:`model_rows`), every
+    bucket of the loaded ones (:func:`bucket_snapshot`), the gateway's ``memory_budget_bytes``
+    and the bytes the loaded models hold together (``resident_bytes``)."""
+    resident_bytes = residency.resident_bytes()
+    return {
+        "models": model_rows(residency, resident_bytes),
+        "buckets": [
+            bucket_snapshot(served, bucket, metrics, now_s)
+            for served in list(residency.engine.models.values())
+            for bucket in served.table.buckets
+        ],
+        "memory_budget_bytes": residency.budgets[memory.GATEWAY_SCOPE],
+        "resident_bytes": sum(resident_bytes.values()),
+    }
+
+
 def find_bucket(engine: Engine, target: str) -> tuple[ServedModel, Bucket]:
     """``"model/bucket"`` (a leading ``/`` allowed) to the served model and its bucket.
 
@@ -144,15 +183,11 @@ class DashboardController(Controller):
 
     @get("/", media_type=MediaType.HTML)
     async def index(self, request: Request[Any, Any, Any]) -> str:
-        engine: Engine = request.app.state.engine
-        metrics: Metrics = request.app.state.metrics
-        now_s = time.monotonic()
-        rows = [
-            bucket_snapshot(served, bucket, metrics, now_s)
-            for served in list(engine.models.values())
-            for bucket in served.table.buckets
-        ]
-        return render_index(rows)
+        return render_index(overview(request.app.state.residency, request.app.state.metrics, time.monotonic()))
+
+    @get("/api")
+    async def overview_api(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        return overview(request.app.state.residency, request.app.state.metrics, time.monotonic())
 
     @get("/api/{target:path}")
     async def bucket_api(self, request: Request[Any, Any, Any], target: str) -> dict[str, Any]:
@@ -211,17 +246,47 @@ def _index_row(row: dict[str, Any]) -> str:
     return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
-def render_index(rows: list[dict[str, Any]]) -> str:
-    """The overview page: one row per bucket (from :func:`bucket_snapshot`), each linking to its page."""
+def _model_row(row: dict[str, Any]) -> str:
+    status = row["status"]
+    links = [f'<a href="{html.escape(bucket_path(row["model"], b))}">{html.escape(b)}</a>' for b in row["buckets"]]
+    cells = [
+        html.escape(row["model"]),
+        html.escape(row["task"]),
+        html.escape(row["load"]),
+        html.escape(status["value"] + (f": {status['reason']}" if "reason" in status else "")),
+        ", ".join(links),
+        "" if row["resident_bytes"] is None else format_bytes(row["resident_bytes"]),
+    ]
+    return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+
+
+def _table(table_id: str, head: list[str], rows: list[str]) -> str:
+    return (
+        f'<table id="{table_id}"><thead><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr></thead>'
+        f'<tbody>{"".join(rows)}</tbody></table>'
+    )
+
+
+def render_index(data: dict[str, Any]) -> str:
+    """The overview page (from :func:`overview`): one row per servable model, linking to its
+    buckets' pages while it is loaded, then one row per bucket, each linking to its page."""
+    model_head = ["model", "task", "load", "status", "buckets", "resident"]
     head = ["model", "bucket", "batcher", "slice", "state", "queue", "running", "throughput", "TTFT p99 ms", "KV %"]
+    memory_text = (
+        f"{format_bytes(data['resident_bytes'])} resident, of the gateway's memory budget of "
+        f"{format_bytes(data['memory_budget_bytes'])}."
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="{INDEX_REFRESH_S}">
 <title>Sluice dashboard</title><style>{_STYLE}</style></head>
 <body><h1>Sluice</h1>
 <p class="muted">Throughput over the last {RATE_WINDOW_S:g} s, TTFT p99 over the last {LATENCY_WINDOW_S:g} s.
 Refreshes every {INDEX_REFRESH_S} s.</p>
-<table id="buckets"><thead><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr></thead>
-<tbody>{"".join(_index_row(r) for r in rows)}</tbody></table>
+<h2>Models</h2>
+<p id="memory">{memory_text}</p>
+{_table("models", model_head, [_model_row(r) for r in data["models"]])}
+<h2>Buckets</h2>
+{_table("buckets", head, [_index_row(r) for r in data["buckets"]])}
 </body></html>"""
 
 

@@ -1,4 +1,5 @@
-"""The dashboards against a real server: ``/dashboard`` lists every bucket, the JSON endpoint
+"""The dashboards against a real server: ``/dashboard`` lists every model with its status and
+resident bytes and every bucket, ``/dashboard/api`` carries the same, the bucket's JSON endpoint
 carries what the charts draw, Plotly is served by the gateway itself (no CDN), and a bucket's
 page, open in headless Chromium while requests run, plots points on every chart.
 
@@ -110,8 +111,31 @@ def test_index_lists_every_model_and_bucket(dashboard_url: str) -> None:
     for model in config["models"]:
         for bucket in model["buckets"]:
             assert f'href="/dashboard/{model["name"]}/le{bucket["max_input_tokens"]}"' in response.text
-    assert response.text.count("<tr>") == 1 + sum(len(m["buckets"]) for m in config["models"])
+    models_table, buckets_table = response.text.split('<table id="models">')[1].split('<table id="buckets">')
+    assert models_table.count("<tr>") == 1 + len(config["models"])
+    assert buckets_table.count("<tr>") == 1 + sum(len(m["buckets"]) for m in config["models"])
+    for model in config["models"]:
+        row = re.search(rf"<tr><td>{re.escape(model['name'])}</td>(.*?)</tr>", models_table)
+        assert row is not None and "<td>loaded</td>" in row[1] and re.search(r"<td>[\d.]+ [KMG]iB</td>$", row[1]), model
+    assert re.search(r'<p id="memory">[\d.]+ [KMG]iB resident, of the gateway\'s memory budget of [\d.]+ [KMG]iB', response.text)
     assert external_urls(response.text, dashboard_url) == []
+
+
+def test_overview_api_has_every_model_with_its_status_and_resident_bytes(dashboard_url: str) -> None:
+    overview = httpx.get(f"{dashboard_url}/dashboard/api", timeout=30).json()
+    config = yaml.safe_load(CONFIG.read_text())
+    models = {row["model"]: row for row in overview["models"]}
+    assert sorted(models) == sorted(m["name"] for m in config["models"])
+    for model in config["models"]:
+        row = models[model["name"]]
+        assert row["status"] == {"value": "loaded"}, row
+        assert row["buckets"] == [f"le{b['max_input_tokens']}" for b in model["buckets"]]
+        assert isinstance(row["resident_bytes"], int) and row["resident_bytes"] > 0, row
+    assert overview["resident_bytes"] == sum(row["resident_bytes"] for row in models.values())
+    assert 0 < overview["resident_bytes"] <= overview["memory_budget_bytes"]
+    assert {(b["model"], b["bucket"]) for b in overview["buckets"]} == {
+        (m["name"], f"le{b['max_input_tokens']}") for m in config["models"] for b in m["buckets"]
+    }
 
 
 def test_bucket_api_has_what_the_charts_draw(dashboard_url: str) -> None:
