@@ -30,6 +30,7 @@ BENCH_COMMANDS = (
     ("output", "bench.output_stage", "time per token outside the forward at output lengths 64, 512 and 2,048"),
     ("logprobs", "bench.logprobs_cost", "step time at 32 running sequences with and without logprobs"),
     ("peers", "bench.peers", "Sluice, llama-server, vLLM CPU and transformers serve on one workload, side by side"),
+    ("loading", "bench.model_loading", "models loaded on demand: cold load, eviction, what loads cost a model serving, RSS"),
 )
 
 
