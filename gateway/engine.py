@@ -155,7 +155,9 @@ class Engine:
         for device_slice in self.slices.values():
             device_slice.stop()
 
-    def unload(self, name: str, drain_timeout_s: float, poll_s: float = 0.02, forget: bool = True) -> dict[str, float | int]:
+    def unload(
+        self, name: str, drain_timeout_s: float, poll_s: float = 0.02, forget: bool = True, unfrozen_only: bool = False
+    ) -> dict[str, float | int]:
         """Drain model ``name`` and free it. Blocking: call it off the event loop.
 
         New requests get 503 at once (or, for a model :mod:`gateway.residency` evicts, wait for
@@ -163,8 +165,10 @@ class Engine:
         end, for at most ``drain_timeout_s`` seconds, after which the rest fail
         (:class:`ShuttingDownError`). Then its batchers leave their slices and the model, its KV
         pools and its tokenizer are dropped (``gc.collect``, and glibc's ``malloc_trim`` so the
-        heap shrinks). With ``forget`` the model leaves the effective config too (the admin's
-        DELETE); without it, it stays servable (an eviction).
+        heap shrinks; with ``unfrozen_only``, a collection of the objects not frozen, for a model
+        loaded since the heap was last frozen: :func:`~models.cpu_memory.release_memory`). With
+        ``forget`` the model leaves the effective config too (the admin's DELETE); without it, it
+        stays servable (an eviction).
 
         Returns:
             ``drain_s`` (seconds spent draining) and ``num_unfinished`` (requests failed at the timeout).
@@ -185,7 +189,7 @@ class Engine:
         if forget:
             self.config = self.config.model_copy(update={"models": [m for m in self.config.models if m.name != name]})
         del served
-        release_memory()
+        release_memory(unfrozen_only)
         return {"drain_s": drain_s, "num_unfinished": num_unfinished}
 
     def load(self, model: ModelConfig, config: GatewayConfig, freeze: bool = True) -> ServedModel:
@@ -369,7 +373,7 @@ class Engine:
             release_memory()
             raise
         self.weight_bytes = all_weights
-        if config.task == "generate":
+        if config.task == "generate" and config.load == "at_start":  # on demand: the first constrained request builds it
             threading.Thread(target=_build_grammar_tokenizer, args=(config.name, loaded.tokenizer), daemon=True).start()
         buckets = self._buckets(config, loaded)
         return ServedModel(config=config, loaded=loaded, table=BucketTable(buckets), request_observers=self.request_observers)

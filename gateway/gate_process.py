@@ -152,13 +152,30 @@ def short_gil_switch_interval(interval_s: float = BUILD_SWITCH_INTERVAL_S) -> It
     default is 5 ms), put back after. A build in the gateway (Dynamo tracing a torch.compile is
     pure Python) holds the GIL for up to the interval each time a serving thread asks for it, and
     a decode step asks hundreds of times (every op dispatched from Python): at 5 ms a later
-    start's first completion took 7 s while a compiled encoder was built, at 0.2 ms 0.7 s."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(interval_s)
+    start's first completion took 7 s while a compiled encoder was built, at 0.2 ms 0.7 s.
+
+    Scopes may overlap on several threads (a build and a model's load on demand): the interval
+    is counted, set by the first to enter and put back by the last to leave, so one ending first
+    does not lengthen it under the other."""
+    global _short_scopes, _interval_before_s
+    with _short_scopes_lock:
+        if _short_scopes == 0:
+            _interval_before_s = sys.getswitchinterval()
+        _short_scopes += 1
+        sys.setswitchinterval(min(interval_s, sys.getswitchinterval()))
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _short_scopes_lock:
+            _short_scopes -= 1
+            if _short_scopes == 0:
+                sys.setswitchinterval(_interval_before_s)
+
+
+# The scopes of short_gil_switch_interval open now, and the interval before the first.
+_short_scopes = 0
+_interval_before_s = 0.005
+_short_scopes_lock = threading.Lock()
 
 
 class PipeIdleGuard:

@@ -38,7 +38,7 @@ import structlog
 from gateway import memory
 from gateway.config import ModelConfig
 from gateway.engine import Engine, ServedModel
-from gateway.gate_process import lower_thread_priority
+from gateway.gate_process import lower_thread_priority, short_gil_switch_interval
 from gateway.errors import (
     APIError,
     ConfigError,
@@ -51,6 +51,7 @@ from gateway.errors import (
     model_too_large,
     model_unavailable,
 )
+from models.cpu_memory import freeze_epoch
 from models.loader import estimate_weight_bytes
 from models.source import model_folder
 from policies.eviction import ResidentModel, choose_victims, idled_out
@@ -94,6 +95,7 @@ class ModelEntry:
     failure: str | None = None  # why the last load failed
     retry_at_s: float = 0.0  # no load before this (clock seconds) after a failure
     weight_bytes_estimate: int | None = None
+    loaded_freeze_epoch: int | None = None  # models.cpu_memory.freeze_epoch() when it last loaded here
     loading: asyncio.Future[ServedModel] | None = None
     unloading: asyncio.Future[None] | None = None
     num_waiters: int = 0
@@ -350,6 +352,7 @@ class Residency:
         finally:
             entry.loading = None
         entry.state, entry.last_used_s = ModelState.LOADED, self.clock()
+        entry.loaded_freeze_epoch = freeze_epoch()
         duration_s = self.clock() - started
         bytes_held = self._model_bytes(name)
         log.info(
@@ -421,9 +424,10 @@ class Residency:
         started = self.clock()
         bytes_held = self._model_bytes(name)[memory.GATEWAY_SCOPE]
         try:
-            result = await asyncio.to_thread(
-                self.engine.unload, name, self.engine.config.drain_timeout_s, 0.02, False
-            )
+            # A model loaded since the heap was last frozen is not frozen: collecting the unfrozen
+            # objects frees it, without holding the GIL over the whole heap.
+            unfrozen_only = entry.loaded_freeze_epoch == freeze_epoch()
+            result = await asyncio.to_thread(self.engine.unload, name, self.engine.config.drain_timeout_s, 0.02, False, unfrozen_only)
         finally:
             entry.unloading = None
         if entry.loading is None:
@@ -497,7 +501,10 @@ class Residency:
 async def _in_niced_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on a new thread called ``name`` at CPU priority :data:`LOAD_NICE`
     (:func:`~gateway.gate_process.lower_thread_priority`; not a pooled thread, which would keep
-    the priority), awaited without blocking the event loop."""
+    the priority) with the GIL's switch interval short meanwhile
+    (:func:`~gateway.gate_process.short_gil_switch_interval`: a load's Python would otherwise
+    hold the GIL 5 ms each time a serving thread asks for it), awaited without blocking the
+    event loop."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -512,7 +519,8 @@ async def _in_niced_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
     def run() -> None:
         lower_thread_priority(LOAD_NICE)
         try:
-            result = fn(*args)
+            with short_gil_switch_interval():  # the serving threads get the GIL back within 0.2 ms
+                result = fn(*args)
         except BaseException as exc:  # noqa: BLE001  (handed to the awaiting coroutine)
             loop.call_soon_threadsafe(settle, None, exc)
         else:

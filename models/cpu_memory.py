@@ -57,22 +57,43 @@ def freeze_long_lived_objects() -> int:
     """
     import gc
 
+    global _freeze_epoch
     gc.collect()
     gc.freeze()
+    _freeze_epoch += 1
     return gc.get_freeze_count()
 
 
-def release_memory() -> None:
+# Bumped by every gc.freeze here: an object created at epoch N is still unfrozen while the epoch
+# is N (see release_memory's unfrozen_only).
+_freeze_epoch = 0
+
+
+def freeze_epoch() -> int:
+    """How many times :func:`freeze_long_lived_objects` or :func:`release_memory` froze the heap."""
+    return _freeze_epoch
+
+
+def release_memory(unfrozen_only: bool = False) -> None:
     """Collect garbage, then hand the heap's free pages back to the kernel (glibc ``malloc_trim``),
     after a model or KV pool is dropped. Off Linux/glibc only the collection runs. Objects frozen by
-    :func:`freeze_long_lived_objects` are collected too, and the survivors frozen again."""
+    :func:`freeze_long_lived_objects` are collected too, and the survivors frozen again; with
+    ``unfrozen_only``, only the objects not frozen are looked at (for a model loaded since the
+    last freeze, :func:`freeze_epoch` unchanged): the collection holds the GIL for the objects
+    it traverses, a whole gateway's heap (about 410,000, 0.25-0.75 s) against the few thousand
+    of a model loaded on demand."""
     import gc
 
-    frozen = gc.get_freeze_count() > 0
-    gc.unfreeze()
-    gc.collect()
-    if frozen:
-        gc.freeze()
+    global _freeze_epoch
+    if unfrozen_only:
+        gc.collect()
+    else:
+        frozen = gc.get_freeze_count() > 0
+        gc.unfreeze()
+        gc.collect()
+        if frozen:
+            gc.freeze()
+            _freeze_epoch += 1
     if platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc":
         return
     try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +15,13 @@ Task = Literal["generate", "embed"]
 
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# One weights load at a time in a process: transformers' from_pretrained builds the model under
+# process-wide state (its meta-device initialisation), and two loads on two threads at once
+# broke each other ("Cannot copy out of meta tensor", seen with two models loading on demand).
+_WEIGHTS_LOCK = threading.Lock()
+
+PreloadKey = tuple[Path, str, str, str]  # (model folder, task, dtype, device)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,27 @@ class LoadedModel:
         return KVShape.from_config(self.model_config)
 
 
+# Models loaded with weights before this process forked, by :data:`PreloadKey`: the first
+# :func:`load_model` asking for one takes it (see :func:`preload`). Empty unless a process that
+# forks others put models here (the end-to-end tests' server zygote).
+_preloaded: dict[PreloadKey, LoadedModel] = {}
+
+
+def preload(source: str, task: Task, dtype: str, device: str, cache_dir: Path) -> LoadedModel:
+    """Load a model with its weights and keep it for the first :func:`load_model` of the same
+    folder, task, dtype and device, here or in a process forked from here afterwards, which takes
+    it instead of loading again (a fork shares its pages copy-on-write: nothing is read, prepacked
+    or faulted in again). For a process that forks many servers of the same models, as the
+    end-to-end tests do (``tests/e2e/zygote.py``); a taken model is not kept for a second load.
+
+    Raises:
+        As :func:`load_model`.
+    """
+    loaded = load_model("", source, task, dtype, device, cache_dir)
+    _preloaded[(loaded.folder, task, dtype, device)] = loaded
+    return loaded
+
+
 def load_model(
     name: str, source: str, task: Task, dtype: str, device: str, cache_dir: Path, weights: bool = True
 ) -> LoadedModel:
@@ -56,7 +85,8 @@ def load_model(
     no weight memory).
 
     Generation models load as ``AutoModelForCausalLM`` with Sluice's packed attention registered
-    (see :mod:`models.attention`); embedding models as ``AutoModel``.
+    (see :mod:`models.attention`); embedding models as ``AutoModel``. A model :func:`preload`
+    kept for the same folder, task, dtype and device is taken instead (``load_s``: the lookup).
 
     Raises:
         ModelSourceError: the source does not resolve to a model folder.
@@ -66,8 +96,14 @@ def load_model(
 
     started = time.perf_counter()
     folder = model_folder(source, cache_dir)
+    if weights and (taken := _preloaded.pop((folder, task, dtype, device), None)) is not None:
+        return replace(taken, name=name, load_s=time.perf_counter() - started)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = _load_weights(folder, task, dtype, device) if weights else None
+    if weights:
+        with _WEIGHTS_LOCK:
+            model = _load_weights(folder, task, dtype, device)
+    else:
+        model = None
     model_config = model.config if model is not None else AutoConfig.from_pretrained(folder)
     generation_config = getattr(model, "generation_config", None) if model is not None else _generation_config(folder, model_config)
     return LoadedModel(

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -68,36 +71,170 @@ def run_server(config: Path, log_path: Path, env: dict[str, str] | None = None) 
         yield url
 
 
-def resident_memory_bytes(proc: subprocess.Popen) -> int:  # type: ignore[type-arg]
+def resident_memory_bytes(proc: ServerProcess) -> int:
     """The resident set size of a running process, from ``/proc`` (Linux)."""
     fields = Path(f"/proc/{proc.pid}/statm").read_text().split()
     return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# Environment variables a forked server may set differently from the zygote's environment: read
+# when the gateway runs, not when torch, the kernels or Ray are imported or initialise.
+FORK_SAFE_ENV = frozenset({"SLUICE_ADMIN_TOKEN"})
+# ``SLUICE_TEST_FORK_SERVERS=0`` starts every server as its own ``python -m gateway`` process.
+FORK_SERVERS_ENV = "SLUICE_TEST_FORK_SERVERS"
+
+
+class ForkedServer:
+    """A gateway forked by the :class:`Zygote`: the part of :class:`subprocess.Popen` the tests
+    use (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``, ``returncode``). The zygote is its
+    parent and reports its exit."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+
+    def set_exited(self, returncode: int) -> None:
+        """Called when the zygote reports the exit (``returncode`` as Popen's)."""
+        self.returncode = returncode
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked server {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+ServerProcess = subprocess.Popen | ForkedServer  # type: ignore[type-arg]
+
+
+class Zygote:
+    """``python -m tests.e2e.zygote``: one per test process, started on first use, with the
+    test config's models loaded; it forks servers that start in a few seconds of CPU instead of
+    ~14 (see :mod:`tests.e2e.zygote`). It stops, with every server it forked, when this process
+    exits (its stdin closes)."""
+
+    _instance: Zygote | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.log_path = Path(tempfile.gettempdir()) / f"sluice-zygote-{os.getpid()}.log"
+        with open(self.log_path, "w") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.e2e.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=log, env=self.env, cwd=Path(__file__).parents[2], text=True, bufsize=1,
+            )
+        self._lock = threading.Lock()
+        self._started: list[Future[ForkedServer]] = []
+        self._children: dict[int, ForkedServer] = {}
+        self._ready: Future[int] = Future()
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+
+    @classmethod
+    def shared(cls) -> Zygote:
+        """This process's zygote, started on the first call."""
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            message = json.loads(line)
+            if "ready" in message:
+                self._ready.set_result(message["ready"])
+            elif "started" in message:
+                child = ForkedServer(message["started"])
+                with self._lock:
+                    self._children[child.pid] = child
+                    started = self._started.pop(0)
+                started.set_result(child)
+            elif "exited" in message:
+                with self._lock:
+                    child = self._children.pop(message["exited"])
+                child.set_exited(message["returncode"])
+        error = RuntimeError(f"the server zygote exited with {self._proc.wait()}: see {self.log_path}")
+        if not self._ready.done():
+            self._ready.set_exception(error)
+        with self._lock:
+            for started in self._started:
+                started.set_exception(error)
+            for child in self._children.values():
+                child.set_exited(-signal.SIGKILL)
+
+    def fork(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedServer:
+        """A server running ``python -m gateway *argv`` with ``env``, logging to ``log_path``.
+
+        Raises:
+            RuntimeError: the zygote failed to load its models, or has exited.
+        """
+        self._ready.result(timeout=STARTUP_TIMEOUT_S)
+        started: Future[ForkedServer] = Future()
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log_path)}
+        with self._lock:
+            self._started.append(started)
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        return started.result(timeout=STARTUP_TIMEOUT_S)
+
+
+def can_fork(env: dict[str, str]) -> bool:
+    """Whether a server with environment ``env`` can be forked from the zygote: forking is not
+    switched off (:data:`FORK_SERVERS_ENV`), OpenMP runs one thread (a runtime whose thread pool
+    has started does not survive a fork) and ``env`` differs from the zygote's environment only
+    in :data:`FORK_SAFE_ENV`."""
+    if os.environ.get(FORK_SERVERS_ENV, "1") == "0" or os.environ.get("OMP_NUM_THREADS") != "1":
+        return False
+    zygote = Zygote._instance
+    zygote_env = zygote.env if zygote is not None else {**os.environ, "HF_HUB_OFFLINE": "1"}
+    differing = {k for k in env.keys() | zygote_env.keys() if env.get(k) != zygote_env.get(k)}
+    return differing <= FORK_SAFE_ENV
+
+
 @contextlib.contextmanager
 def run_server_process(
-    config: Path, log_path: Path, env: dict[str, str] | None = None
-) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[type-arg]
-    """As :func:`run_server`, yielding ``(base URL, process)``."""
-    with run_server_args(["--config", str(config)], log_path, env) as running:
+    config: Path, log_path: Path, env: dict[str, str] | None = None, fork: bool = True
+) -> Iterator[tuple[str, ServerProcess]]:
+    """As :func:`run_server`, yielding ``(base URL, process)``. The process is forked from the
+    :class:`Zygote` where ``fork`` is true and :func:`can_fork` allows (a test of the server's
+    own memory passes False), else started as ``python -m gateway``."""
+    with run_server_args(["--config", str(config)], log_path, env, fork) as running:
         yield running
 
 
 @contextlib.contextmanager
 def run_server_args(
-    args: list[str], log_path: Path, env: dict[str, str] | None = None
-) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[type-arg]
+    args: list[str], log_path: Path, env: dict[str, str] | None = None, fork: bool = True
+) -> Iterator[tuple[str, ServerProcess]]:
     """As :func:`run_server_process` for ``python -m gateway serve ARGS`` (``--model PATH``,
     ``--models-dir DIR`` or ``--config FILE``), on a free port."""
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    argv = ["serve", *args, "--port", str(port), "--log-level", "info"]
+    proc: ServerProcess
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", *args, "--port", str(port), "--log-level", "info"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        if fork and can_fork(env):
+            proc = Zygote.shared().fork(argv, env, log_path)
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", "gateway", *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -147,7 +284,7 @@ class Server:
     """A running gateway: its base URL, its process and the file its log goes to."""
 
     url: str
-    proc: subprocess.Popen  # type: ignore[type-arg]
+    proc: ServerProcess
     log_path: Path
 
 
@@ -160,16 +297,17 @@ class ServerPool:
         self._tmp_path_factory = tmp_path_factory
         self._stack = contextlib.ExitStack()
         self._lock = threading.Lock()
-        self._servers: dict[tuple[str, tuple[tuple[str, str], ...]], Future[Server]] = {}
+        self._servers: dict[tuple[str, tuple[tuple[str, str], ...], bool], Future[Server]] = {}
 
-    def get(self, edit: ConfigEdit | None = None, env: dict[str, str] | None = None) -> Server:
+    def get(self, edit: ConfigEdit | None = None, env: dict[str, str] | None = None, fork: bool = True) -> Server:
         """The server for the test config changed in place by ``edit`` and run with ``env``
-        added to the environment; started on first use (fails the test if it does not start)."""
+        added to the environment; started on first use (fails the test if it does not start),
+        forked from the zygote unless ``fork`` is false (see :func:`run_server_process`)."""
         config = yaml.safe_load(CONFIG.read_text())
         if edit is not None:
             edit(config)
         text = yaml.safe_dump(config, sort_keys=True)
-        key = (text, tuple(sorted((env or {}).items())))
+        key = (text, tuple(sorted((env or {}).items())), fork)
         with self._lock:
             started = self._servers.get(key)
             is_first = started is None
@@ -177,18 +315,18 @@ class ServerPool:
                 started = self._servers[key] = Future()
         if is_first:
             try:
-                started.set_result(self._start(text, env))
+                started.set_result(self._start(text, env, fork))
             except BaseException as exc:  # pytest.fail's Failed included: every caller sees it
                 started.set_exception(exc)
         return started.result()
 
-    def _start(self, text: str, env: dict[str, str] | None) -> Server:
+    def _start(self, text: str, env: dict[str, str] | None, fork: bool) -> Server:
         with self._lock:
             folder = self._tmp_path_factory.mktemp("server")
         path = folder / "config.yaml"
         path.write_text(text)
         log_path = folder / "server.log"
-        running = run_server_process(path, log_path, env)
+        running = run_server_process(path, log_path, env, fork)
         url, proc = running.__enter__()
         with self._lock:
             self._stack.push(running)
@@ -201,7 +339,7 @@ class ServerPool:
 
 @pytest.fixture(scope="session")
 def server_with(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """``server_with(edit=None, env=None)``: a shared :class:`Server` for the test config with
+    """``server_with(edit=None, env=None, fork=True)``: a shared :class:`Server` for the test config with
     ``edit`` applied (see :meth:`ServerPool.get`). Modules that pass edits giving the same config
     (and the same ``env``) get the same server, so tests using it leave it as they found it."""
     pool = ServerPool(tmp_path_factory)
@@ -236,8 +374,11 @@ def drain_retry_after(config: dict[str, Any]) -> None:
 def admin_server(server_with: Callable[..., Server]) -> Server:
     """The test config with the admin API on (bearer ``ADMIN_TOKEN``) and ``drain_retry_after_s``
     set: shared by the modules that change models and knobs at run time (admin, bench tune,
-    reconfiguration). Each leaves both models loaded with the test config's bucket names."""
-    return server_with(drain_retry_after, {"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN})
+    reconfiguration). Each leaves both models loaded with the test config's bucket names. Started
+    as a process of its own, not forked: its unload test measures the memory returned, and the
+    weights a forked server shares with the zygote went on counting in its resident set after the
+    unload (82 MiB returned of ~800)."""
+    return server_with(drain_retry_after, {"SLUICE_ADMIN_TOKEN": ADMIN_TOKEN}, fork=False)
 
 
 def one_sequence_short_bucket(config: dict[str, Any]) -> None:

@@ -337,15 +337,14 @@ def test_random_traffic_gets_the_answers_of_resident_models(server: Server) -> N
 
 def test_resident_memory_stays_flat_over_twenty_load_and_evict_cycles(server: Server) -> None:
     """Four models, two of about 100 MB (MiniLM; a Llama with SmolLM2's vocabulary, its packed
-    LM head apart), loaded by a request and unloaded, 20 times: a model's memory kept by anything
-    after its unload would add 10 % of the level every cycle or two."""
+    LM head apart), loaded and unloaded through the admin API, 20 times: a model's memory kept
+    by anything after its unload would add 10 % of the level every cycle or two."""
     models = ("small-llama", "tiny-llama", "tiny-bert", "minilm")
     level_bytes = 0
     for cycle in range(20):
         for model in models:
-            kind = "embedding" if model in EMBEDDERS else "completion"
-            path, body = _body(model, kind, PROMPTS[cycle % 4])
-            assert httpx.post(f"{server.url}{path}", json=body, timeout=TIMEOUT_S).status_code == 200
+            response = httpx.post(f"{server.url}/admin/models/{model}/load", timeout=TIMEOUT_S)
+            assert response.status_code == 200 and response.json()["state"] == "ready", response.text
             response = httpx.post(f"{server.url}/admin/models/{model}/unload", timeout=TIMEOUT_S)
             assert response.status_code == 200 and response.json()["state"] == "unloaded", response.text
         if cycle == 0:

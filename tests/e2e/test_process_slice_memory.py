@@ -42,7 +42,7 @@ def _serve_and_measure(folder: Path, isolation: str) -> tuple[int, int | None]:
     path = folder / f"{isolation}.yaml"
     path.write_text(yaml.safe_dump(_config(isolation)))
     log_path = folder / f"{isolation}.log"
-    with run_server_process(path, log_path) as (url, proc):
+    with run_server_process(path, log_path, fork=False) as (url, proc):
         body = {"model": GENERATE_MODEL, "prompt": "The three primary colors are", "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text

@@ -13,7 +13,7 @@ import pytest
 
 from gateway import memory
 from gateway.config import GatewayConfig, ModelConfig, parse_config
-from gateway.errors import APIError
+from gateway.errors import APIError, ConfigError
 from gateway.residency import ModelState, Residency
 
 MB = 1_000_000
@@ -78,7 +78,9 @@ class FakeEngine:
         self.weight_bytes[model.name] = WEIGHT_BYTES
         return served
 
-    def unload(self, name: str, drain_timeout_s: float, poll_s: float = 0.02, forget: bool = True) -> dict[str, Any]:
+    def unload(
+        self, name: str, drain_timeout_s: float, poll_s: float = 0.02, forget: bool = True, unfrozen_only: bool = False
+    ) -> dict[str, Any]:
         self.unloads.append(name)
         del self.models[name]
         self.weight_bytes.pop(name, None)
@@ -247,3 +249,38 @@ def test_unknown_models_and_wrong_tasks_are_refused_before_any_load() -> None:
 def test_budgets_by_scope_default_to_80_percent_of_ram() -> None:
     config = _config({"name": "a"}).model_copy(update={"memory_budget_bytes": None})
     assert memory.budgets_by_scope(config, 10_000) == {memory.GATEWAY_SCOPE: 8_000}
+
+
+def test_a_model_idle_past_its_idle_unload_s_is_unloaded_and_a_pinned_one_stays() -> None:
+    engine = FakeEngine(_config({"name": "a", "idle_unload_s": 0.1}, {"name": "p", "pinned": True, "idle_unload_s": 0.1}))
+    clock = Clock()
+    residency = _residency(engine, clock)
+
+    async def run() -> None:
+        await _use(residency, "a")
+        await _use(residency, "p")
+        residency.start()
+        clock.now_s += 0.05
+        await asyncio.sleep(0)
+        assert engine.unloads == []  # not idle long enough yet
+        clock.now_s += 1
+        await _until(lambda: engine.unloads == ["a"])
+        await residency.stop()
+
+    asyncio.run(run())
+    assert residency.state("a")[0] is ModelState.UNLOADED and residency.state("p")[0] is ModelState.LOADED
+
+
+def test_pinned_models_loaded_at_start_over_the_budget_fail_the_start() -> None:
+    engine = FakeEngine(_config({"name": "a", "load": "at_start"}, {"name": "b", "load": "at_start"}, budget_bytes=150 * MB))
+    for name in ("a", "b"):
+        engine.models[name] = FakeServed(next(m for m in engine.config.models if m.name == name))
+        engine.weight_bytes[name] = WEIGHT_BYTES
+    residency = _residency(engine)
+
+    async def run() -> None:
+        residency.start()
+
+    with pytest.raises(ConfigError) as refused:
+        asyncio.run(run())
+    assert refused.value.code == "model_too_large" and "200000000" in str(refused.value)
