@@ -25,7 +25,7 @@ from gateway.errors import ConfigError
 from gateway.logging import log_request_finished
 from models.cpu_memory import freeze_long_lived_objects, release_memory
 from models import structured
-from models.loader import LoadedModel, load_model
+from models.loader import LoadedModel, keep_tokenizer, load_model
 
 log = structlog.get_logger(__name__)
 
@@ -183,6 +183,8 @@ class Engine:
         drain_s, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s - (time.monotonic() - started), poll_s)
         drain_s = time.monotonic() - started
         del self.models[name]
+        if not forget:  # it may be loaded again: its tokenizer (and the router's encoder of it) stays
+            keep_tokenizer(served.loaded.folder, served.loaded.tokenizer)
         self.weight_bytes.pop(name, None)
         for bucket in served.table.buckets:
             self.kv_pool_bytes.pop(bucket.key, None)

@@ -19,6 +19,7 @@ from buckets.request import Request
 from gateway.engine import Engine, ServedModel
 from gateway.errors import invalid_request, model_not_found, model_unavailable, queue_full, to_api_error
 from gateway.prompts import Message, PromptEncoder
+from models.loader import kept_tokenizers
 
 # A layout can be replaced between routing and submitting; a request routes again this often.
 MAX_ROUTE_ATTEMPTS = 3
@@ -86,7 +87,8 @@ class Router:
         finally:
             if building.done():
                 self._building.pop(key, None)
-        served_tokenizers = {id(m.loaded.tokenizer) for m in list(self.engine.models.values())}
+        tokenizers = [m.loaded.tokenizer for m in list(self.engine.models.values())] + kept_tokenizers()
+        served_tokenizers = {id(t) for t in tokenizers}  # loaded, or kept for a model's next load
         self._encoders = {k: e for k, e in self._encoders.items() if k in served_tokenizers}  # unloaded models'
         self._encoders[key] = encoder
         return encoder
