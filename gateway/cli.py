@@ -1,5 +1,5 @@
 """The ``sluice`` command: ``sluice serve``, ``sluice prepare``, ``sluice bench engine``,
-``sluice bench load|tune|batching|output|logprobs|peers``, ``sluice gate`` and ``sluice kv-plan``."""
+``sluice bench load|tune|batching|output|logprobs|peers|loading``, ``sluice gate`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
