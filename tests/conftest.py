@@ -67,6 +67,7 @@ GROUP_COST_S = {
     "tests/e2e/test_admin.py": 86,
     "tests/unit/test_structured.py": 85,
     "tests/e2e/test_reconfigure.py": 81,
+    "tests/e2e/test_model_residency.py": 80,  # measured beside the other worker, forked servers
     "tests/e2e/test_process_slices.py": 71,
     "tests/e2e/test_sampling_controls.py": 52,
     "tests/e2e/test_bench_load.py": 48,
@@ -89,6 +90,7 @@ GROUP_COST_S = {
     "tests/e2e/test_admission.py": 21,
     "tests/unit/test_paged_attention.py": 19,
     "tests/e2e/test_bench_peers.py": 18,
+    "tests/e2e/test_serve_flags.py": 17,
 }
 DEFAULT_TEST_COST_S = 0.2
 
