@@ -29,7 +29,7 @@ import structlog
 import yaml
 from litestar import Controller, delete, get, patch, post, put
 from litestar.response import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
@@ -301,7 +301,7 @@ class PinBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pinned: bool
+    pinned: StrictBool
 
 
 def _reason(residency: Residency, name: str) -> dict[str, Any]:

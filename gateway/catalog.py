@@ -107,6 +107,8 @@ def expand_models_dir(config: GatewayConfig) -> GatewayConfig:
         if name not in explicit
     ]
     log.info("models_dir_scanned", models_dir=config.models_dir, models=[m.name for m in discovered])
+    if not discovered and not config.models:
+        log.warning("models_dir_empty", models_dir=config.models_dir, hint="no *.gguf file nor folder with a config.json: nothing to serve")
     return _with_models(config, [*config.models, *discovered], "models_dir")
 
 

@@ -194,15 +194,22 @@ class Metrics:
         ``status`` (404 ``not_found``, 503 ``unavailable``, 499 ``cancelled``, another 4xx
         ``invalid_request``, another 5xx ``error``). Not counted here: requests a bucket took
         (``reached_bucket``) and 429s (their bucket's admission counted them), which the buckets'
-        stats count, and answers below 400. The ``model`` label is the body's model only when it
-        is served (clients cannot add series), else empty."""
+        stats count, and answers below 400 (a 429 while the model loads is counted by
+        :meth:`observe_load_refusal`). The ``model`` label is the body's model only when it is
+        servable, loaded or not (clients cannot add series), else empty."""
         outcome = outcome_of_status(status)
         if reached_bucket or outcome in (Outcome.OK, Outcome.REJECTED) or not path.startswith("/v1/"):
             return
-        label = model if model is not None and model in self._engine.models else ""
+        servable = model is not None and any(m.name == model for m in self._engine.config.models)
+        self._count_unrouted(model if servable and model is not None else "", outcome.value)
+
+    def observe_load_refusal(self, model: str) -> None:
+        """Count a request refused (429) because too many wait for ``model`` to load."""
+        self._count_unrouted(model, Outcome.REJECTED.value)
+
+    def _count_unrouted(self, label: str, outcome: str) -> None:
         with self._lock:
-            key = (label, outcome.value)
-            self._unrouted[key] = self._unrouted.get(key, 0) + 1
+            self._unrouted[(label, outcome)] = self._unrouted.get((label, outcome), 0) + 1
 
     def unrouted_counts(self) -> dict[tuple[str, str], int]:
         """``(model, outcome) -> count`` of the requests :meth:`observe_http` counted."""

@@ -84,6 +84,8 @@ class ResidencyObserver(Protocol):
 
     def observe_model_eviction(self, model: str, reason: str) -> None: ...
 
+    def observe_load_refusal(self, model: str) -> None: ...
+
 
 @dataclass
 class ModelEntry:
@@ -277,7 +279,9 @@ class Residency:
             return ModelState.UNLOADING, None
         if served is not None:
             return (ModelState.UNLOADING if served.draining else ModelState.LOADED), None
-        return entry.state if entry.state is ModelState.FAILED else ModelState.UNLOADED, entry.failure
+        if entry.state is ModelState.FAILED:
+            return ModelState.FAILED, entry.failure
+        return ModelState.UNLOADED, None
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes each loaded model holds (weights measured at load, and its KV pools)."""
@@ -294,6 +298,8 @@ class Residency:
         requests wait for a model, it is not evicted: they take their leases as they wake."""
         max_waiters = self._max_waiters(entry.name)
         if entry.num_waiters >= max_waiters:
+            if self.observer is not None:
+                self.observer.observe_load_refusal(entry.name)
             raise load_queue_full(entry.name, max_waiters, self.engine.config.drain_retry_after_s)
         started = self.clock()
         entry.num_waiters += 1

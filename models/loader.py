@@ -175,6 +175,8 @@ def estimate_weight_bytes(folder: Path, task: Task, dtype: str, device: str) -> 
     return total
 
 
+# The format's own limit on a header (the safetensors crate refuses larger ones).
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 _FLOAT_KINDS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 _KIND_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
@@ -185,7 +187,7 @@ def _safetensors_tensors(folder: Path) -> dict[str, tuple[int, str]]:
     ``*.safetensors`` files, read from their headers (an 8-byte little-endian length, then JSON).
 
     Raises:
-        ValueError: a header is not valid JSON.
+        ValueError: a header is longer than the format allows or not valid JSON.
     """
     import json
     import math
@@ -194,6 +196,8 @@ def _safetensors_tensors(folder: Path) -> dict[str, tuple[int, str]]:
     for path in sorted(folder.glob("*.safetensors")):
         with open(path, "rb") as file:
             header_len = int.from_bytes(file.read(8), "little")
+            if header_len > MAX_SAFETENSORS_HEADER_BYTES:  # a broken file: reading it all could take the machine's memory
+                raise ValueError(f"{path}: not a readable safetensors file (a header of {header_len} bytes)")
             try:
                 header = json.loads(file.read(header_len))
             except ValueError as exc:

@@ -298,6 +298,16 @@ def test_a_stream_in_flight_is_drained_not_cut_when_its_model_is_evicted(server:
     assert len(evicted) == 1 and evicted[0]["drain_s"] > 0.05, evicted  # it waited for the stream
 
 
+def test_pinning_through_the_admin_api_takes_a_boolean_only(server: Server) -> None:
+    url = f"{server.url}/admin/models/smol-c/pin"
+    for bad in ({"pinned": "yes"}, {"pinned": 1}, {}, {"pinned": True, "extra": 1}):
+        response = httpx.patch(url, json=bad, timeout=30)
+        assert response.status_code == 422 and response.json()["error"]["param"] in ("pinned", "extra"), (bad, response.text)
+    assert httpx.patch(url, json={"pinned": True}, timeout=30).json() == {"model": "smol-c", "pinned": True}
+    assert httpx.patch(url, json={"pinned": False}, timeout=30).json() == {"model": "smol-c", "pinned": False}
+    assert httpx.patch(f"{server.url}/admin/models/nope/pin", json={"pinned": True}, timeout=30).status_code == 404
+
+
 def test_random_traffic_gets_the_answers_of_resident_models(server: Server) -> None:
     """200 requests, 8 at a time, in runs of one model (a client's burst), over every model;
     each answer equals the model's own answer to the same request taken alone (the three

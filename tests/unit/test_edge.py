@@ -143,7 +143,8 @@ def test_every_request_is_logged_once_with_status_model_and_duration() -> None:
 
 
 def test_requests_no_bucket_took_are_counted_with_a_bounded_model_label() -> None:
-    engine: Any = SimpleNamespace(models={"m": SimpleNamespace(table=SimpleNamespace(buckets=[]))}, slices={})
+    config = SimpleNamespace(models=[SimpleNamespace(name="m"), SimpleNamespace(name="unloaded")])
+    engine: Any = SimpleNamespace(models={"m": SimpleNamespace(table=SimpleNamespace(buckets=[]))}, slices={}, config=config)
     metrics = Metrics(engine)
     metrics.observe_http("/v1/completions", 400, "m", False)
     metrics.observe_http("/v1/completions", 404, "no-such-model", False)
@@ -152,7 +153,12 @@ def test_requests_no_bucket_took_are_counted_with_a_bounded_model_label() -> Non
     metrics.observe_http("/v1/completions", 429, "m", False)  # its bucket's admission counts it
     metrics.observe_http("/v1/completions", 504, "m", True)  # its bucket counts it
     metrics.observe_http("/health", 404, None, False)  # not the API
-    assert metrics.unrouted_counts() == {("m", "invalid_request"): 1, ("", "not_found"): 2, ("m", "unavailable"): 1}
+    metrics.observe_http("/v1/completions", 503, "unloaded", False)  # servable, its load failed
+    metrics.observe_load_refusal("unloaded")  # too many wait for its load: no bucket counted the 429
+    assert metrics.unrouted_counts() == {
+        ("m", "invalid_request"): 1, ("", "not_found"): 2, ("m", "unavailable"): 1, ("unloaded", "unavailable"): 1,
+        ("unloaded", "rejected"): 1,
+    }
     text = metrics.render().decode()
     assert 'sluice_requests_total{bucket="",model="m",outcome="invalid_request"} 1.0' in text
 

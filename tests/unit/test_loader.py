@@ -4,6 +4,8 @@ geometry and dtype."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from models.loader import load_model
@@ -23,3 +25,12 @@ def test_a_model_loaded_without_weights_agrees_with_the_full_load(task: str, sou
     assert light.tokenizer("The three primary colors are").input_ids == full.tokenizer("The three primary colors are").input_ids
     if task == "generate":
         assert light.kv_shape() == full.kv_shape()
+
+
+def test_a_safetensors_header_longer_than_the_format_allows_is_refused_unread(tmp_path: Path) -> None:
+    from models.loader import MAX_SAFETENSORS_HEADER_BYTES, estimate_weight_bytes
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes((MAX_SAFETENSORS_HEADER_BYTES + 1).to_bytes(8, "little") + b"garbage")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        estimate_weight_bytes(tmp_path, "generate", "float32", "cpu")

@@ -284,3 +284,50 @@ def test_pinned_models_loaded_at_start_over_the_budget_fail_the_start() -> None:
     with pytest.raises(ConfigError) as refused:
         asyncio.run(run())
     assert refused.value.code == "model_too_large" and "200000000" in str(refused.value)
+
+
+class CountingObserver:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, ...]] = []
+
+    def observe_model_load(self, model: str, outcome: str, duration_s: float) -> None:
+        self.events.append(("load", model, outcome))
+
+    def observe_model_eviction(self, model: str, reason: str) -> None:
+        self.events.append(("eviction", model, reason))
+
+    def observe_load_refusal(self, model: str) -> None:
+        self.events.append(("refusal", model))
+
+
+def test_loads_evictions_and_refusals_reach_the_observer() -> None:
+    engine = FakeEngine(_config({"name": "a"}, {"name": "b"}, budget_bytes=150 * MB))
+    observer = CountingObserver()
+    residency = Residency(engine, observer, clock=Clock(), physical_memory_bytes=10**12)  # type: ignore[arg-type]
+    residency._estimate_weight_bytes = lambda model: WEIGHT_BYTES  # type: ignore[method-assign]
+
+    async def run() -> None:
+        await _use(residency, "a")
+        await _use(residency, "b")  # evicts a
+        engine.gate.clear()
+        waits = [asyncio.ensure_future(_use(residency, "a")) for _ in range(4)]
+        await _until(lambda: engine.loads.count("a") == 2)
+        with pytest.raises(APIError):
+            await _use(residency, "a")  # a fifth waiter: 429
+        engine.gate.set()
+        await asyncio.gather(*waits)
+
+    asyncio.run(run())
+    assert observer.events == [
+        ("load", "a", "ok"), ("eviction", "a", "lru"), ("load", "b", "ok"), ("eviction", "b", "lru"), ("refusal", "a"),
+        ("load", "a", "ok"),
+    ]
+
+
+def test_a_model_refused_for_memory_is_unloaded_without_a_reason() -> None:
+    engine = FakeEngine(_config({"name": "p", "pinned": True}, {"name": "a"}, budget_bytes=150 * MB))
+    residency = _residency(engine)
+    asyncio.run(_use(residency, "p"))
+    with pytest.raises(APIError):
+        asyncio.run(_use(residency, "a"))
+    assert residency.state("a") == (ModelState.UNLOADED, None)
