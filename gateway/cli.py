@@ -105,9 +105,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    """Do what a first start would otherwise do before serving (``make install`` runs it): convert
-    the GGUF sources of the config's models loaded at start to safetensors folders and build the C++ kernels (decode attention, the
-    lean kinds' quantized products), all cached, each step logging its start, end and
+    """Do what a first start (or a model's first request) would otherwise do before serving
+    (``make install`` runs it): convert the GGUF sources of the config's models, those loaded on
+    demand too, to safetensors folders and build the C++ kernels (decode attention, the lean
+    kinds' quantized products), all cached, each step logging its start, end and
     ``duration_s``. A kernel that cannot be built is logged (serving then uses torch's attention
     and torch's quantized ops) and is no failure. Returns 2 for an unusable config or
     model source."""
@@ -124,8 +125,7 @@ def _prepare(args: argparse.Namespace) -> int:
         config = _serve_config(args)
         cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
         for model in config.models:
-            if model.load == "at_start":
-                model_folder(model.source, cache_dir)
+            model_folder(model.source, cache_dir)
     except (ConfigError, ModelError) as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2

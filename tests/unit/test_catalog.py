@@ -260,7 +260,7 @@ def test_serve_without_model_flags_reads_the_default_config(monkeypatch: pytest.
     assert read == ["configs/default.yaml"] and [m.name for m in served[0].models] == ["gen", "emb"]
 
 
-def test_prepare_converts_only_the_models_loaded_at_start(models_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_prepare_converts_every_model_loaded_on_demand_too(models_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     importlib.import_module("gateway.app")
     converted: list[str] = []
 
@@ -274,4 +274,6 @@ def test_prepare_converts_only_the_models_loaded_at_start(models_dir: Path, monk
     monkeypatch.setattr(models.quant_kernels, "kernel", lambda: None)
     gguf = str(models_dir / f"{GGUF_NAME}.gguf")
     assert main(["prepare", "--model", gguf, "--models-dir", str(models_dir)]) == 0
-    assert converted == [gguf]
+    # The --model first, then the folder's others, loaded on demand (its GGUF has the --model's
+    # name; "bad name" is skipped).
+    assert converted == [gguf, str(models_dir / "bert"), str(models_dir / "llama")]
