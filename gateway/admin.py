@@ -152,7 +152,7 @@ class AdminController(Controller):
         residency: Residency = request.app.state.residency
         loading = [{"name": name, "state": "loading"} for name in sorted(_loading(request))]
         resting = [
-            {"name": m.name, "state": describe_state(residency, m.name)["value"], **_reason(residency, m.name), "config": m.model_dump(mode="json")}
+            {"name": m.name, **_state_and_reason(residency, m.name), "config": m.model_dump(mode="json")}
             for m in engine.config.models if m.name not in engine.models and m.name not in _loading(request)
         ]
         return {"models": [describe_model(m) for m in list(engine.models.values())] + loading + resting}
@@ -304,9 +304,10 @@ class PinBody(BaseModel):
     pinned: StrictBool
 
 
-def _reason(residency: Residency, name: str) -> dict[str, Any]:
-    reason = describe_state(residency, name).get("reason")
-    return {} if reason is None else {"reason": reason}
+def _state_and_reason(residency: Residency, name: str) -> dict[str, Any]:
+    """``{"state": ...}``, with ``reason`` for a failed load, of a model not loaded."""
+    status = describe_state(residency, name)
+    return {"state": status.pop("value"), **status}
 
 
 class LayoutBody(BaseModel):

@@ -42,7 +42,7 @@ from buckets.slices.process import ProcessSlice
 from gateway import gate, gate_process
 from gateway.engine import Engine
 from gateway.errors import ConfigError
-from gateway.gate_process import GateTask, lower_thread_priority, short_gil_switch_interval
+from gateway.gate_process import GATE_NICE, GateTask, in_low_priority_thread, lower_thread_priority
 from gateway.runners import GateState
 from models.backends.measure import GateCancelledError
 
@@ -285,7 +285,7 @@ class BackgroundGates:
             before = job.bucket.backend_info.get("running")
             started = time.perf_counter()
             try:
-                info = await in_low_priority_thread(self._rebuild, job)
+                info = await in_low_priority_thread("backend-build", GATE_NICE, self._rebuild, job)
             except (ConfigError, KeyError, RuntimeError, TimeoutError) as exc:
                 log.warning("gate_switch_failed", model=job.model, bucket=job.bucket.name, error=str(exc), running=before)
                 job.bucket.backend_info["gate_state"] = GateState.FAILED.value
@@ -298,37 +298,6 @@ class BackgroundGates:
                 "backend_switched", model=job.model, bucket=job.bucket.name, to=after,
                 speedup=speedups.get(str(after)), switch_build_s=build_s, **{"from": before},
             )
-
-
-async def in_low_priority_thread(fn: Callable[[GateJob], dict[str, Any]], job: GateJob) -> dict[str, Any]:
-    """``fn(job)`` on a thread of its own at the gate's CPU priority (nice 19, with the compiler
-    processes it starts) and with a short GIL switch interval
-    (:func:`~gateway.gate_process.short_gil_switch_interval`), awaited: a winner's build in the
-    gateway (a torch.compile takes seconds) yields the cores and the GIL to the serving threads.
-    A thread of its own, since a pool thread would keep the priority for the next task."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[dict[str, Any]] = loop.create_future()
-
-    def settle(result: dict[str, Any] | None, exc: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        lower_thread_priority()
-        try:
-            with short_gil_switch_interval():
-                result = fn(job)
-        except BaseException as exc:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=run, name="backend-build", daemon=True).start()
-    return await future
 
 
 def gate_states(engine: Engine) -> list[dict[str, str]]:

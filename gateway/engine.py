@@ -180,8 +180,8 @@ class Engine:
         started = time.monotonic()
         while served.num_leases and time.monotonic() - started < drain_timeout_s:
             time.sleep(poll_s)  # a request routed before the drain began is about to be queued
-        drain_s, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s - (time.monotonic() - started), poll_s)
-        drain_s = time.monotonic() - started
+        _, num_unfinished = drain_buckets(served.table.buckets, drain_timeout_s - (time.monotonic() - started), poll_s)
+        drain_s = time.monotonic() - started  # the leases' wait included
         del self.models[name]
         if not forget:  # it may be loaded again: its tokenizer (and the router's encoder of it) stays
             keep_tokenizer(served.loaded.folder, served.loaded.tokenizer)

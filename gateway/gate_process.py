@@ -24,6 +24,7 @@ its parent changed); :func:`measure_in_child` ends it when the gateway stops.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -31,11 +32,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -44,6 +45,7 @@ from models.backends.measure import GateCancelledError, IdleGuard
 log = structlog.get_logger(__name__)
 
 # The lowest CPU priority there is.
+T = TypeVar("T")
 GATE_NICE = 19
 POLL_S = 0.05
 END_GRACE_S = 1.0
@@ -176,6 +178,41 @@ def short_gil_switch_interval(interval_s: float = BUILD_SWITCH_INTERVAL_S) -> It
 _short_scopes = 0
 _interval_before_s = 0.005
 _short_scopes_lock = threading.Lock()
+
+
+async def in_low_priority_thread(name: str, nice: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a new thread called ``name`` at CPU priority ``nice``
+    (:func:`lower_thread_priority`; threads it starts inherit it) with a short GIL switch interval
+    (:func:`short_gil_switch_interval`), awaited without blocking the event loop: a build or a
+    model's load in the gateway yields the cores and the GIL to the serving threads. A thread
+    of its own, since a pool thread would keep the priority for its next task.
+
+    Raises:
+        What ``fn`` raises.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        lower_thread_priority(nice)
+        try:
+            with short_gil_switch_interval():
+                result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001  (handed to the awaiting coroutine)
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
 
 
 class PipeIdleGuard:

@@ -25,20 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import structlog
 
 from gateway import memory
 from gateway.config import ModelConfig
 from gateway.engine import Engine, ServedModel
-from gateway.gate_process import lower_thread_priority, short_gil_switch_interval
+from gateway.gate_process import in_low_priority_thread
 from gateway.errors import (
     APIError,
     ConfigError,
@@ -57,7 +56,6 @@ from models.source import model_folder
 from policies.eviction import ResidentModel, choose_victims, idled_out
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 
 # The most seconds between two looks for models past their idle_unload_s.
 MAX_IDLE_CHECK_S = 1.0
@@ -103,7 +101,7 @@ class ModelEntry:
     num_waiters: int = 0
 
 
-def physical_memory_bytes() -> int:
+def machine_memory_bytes() -> int:
     """The machine's RAM in bytes (``sysconf``)."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -128,7 +126,7 @@ class Residency:
         self.engine = engine
         self.observer = observer
         self.clock = clock
-        ram = physical_memory_bytes if physical_memory_bytes is not None else globals()["physical_memory_bytes"]()
+        ram = physical_memory_bytes if physical_memory_bytes is not None else machine_memory_bytes()
         self.budgets = memory.budgets_by_scope(engine.config, ram)
         self._entries: dict[str, ModelEntry] = {}
         self._reserved: dict[str, dict[str, int]] = {}  # bytes by scope of each load making room
@@ -344,7 +342,7 @@ class Residency:
             await self._make_room(name, needed)
             try:
                 model = self._config(name) or model  # as the config is now (a pin may have changed it)
-                served = await _in_niced_thread(f"load-{name}", self.engine.load, model, self.engine.config, False)
+                served = await in_low_priority_thread(f"load-{name}", LOAD_NICE, self.engine.load, model, self.engine.config, False)
             finally:
                 self._reserved.pop(name, None)
         except APIError as exc:
@@ -502,38 +500,6 @@ class Residency:
                 is_pinned=config.is_pinned or entry.num_waiters > 0, is_busy=not served.is_idle(),
             ))
         return resident
-
-
-async def _in_niced_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a new thread called ``name`` at CPU priority :data:`LOAD_NICE`
-    (:func:`~gateway.gate_process.lower_thread_priority`; not a pooled thread, which would keep
-    the priority) with the GIL's switch interval short meanwhile
-    (:func:`~gateway.gate_process.short_gil_switch_interval`: a load's Python would otherwise
-    hold the GIL 5 ms each time a serving thread asks for it), awaited without blocking the
-    event loop."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        lower_thread_priority(LOAD_NICE)
-        try:
-            with short_gil_switch_interval():  # the serving threads get the GIL back within 0.2 ms
-                result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001  (handed to the awaiting coroutine)
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return await future
 
 
 def _scope_words(scope: str) -> str:
