@@ -38,6 +38,7 @@ from gateway.engine import Engine, ServedModel
 from gateway.residency import Residency, describe_state
 from gateway.errors import APIError, ConfigError, config_validation_error, model_not_found, to_api_error
 from models.errors import ModelError
+from models.openmp import release_thread_pool
 
 ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 
@@ -409,11 +410,14 @@ def _validated(data: dict[str, Any]) -> GatewayConfig:
 def _configured(action: Any, *args: Any) -> Any:
     """Run an engine change; its ``ConfigError`` (KV pools over a slice's KV memory, or weights
     plus KV over its ``memory_budget_bytes``) or ``ModelError`` (a source that loads nothing)
-    is a 422."""
+    is a 422. Called on an executor thread, which then frees the OpenMP pool the build left it
+    (:mod:`models.openmp`)."""
     try:
         return action(*args)
     except (ConfigError, ModelError) as exc:
         raise to_api_error(exc) from None
+    finally:
+        release_thread_pool()
 
 
 def _ready_model(engine: Engine, name: str) -> ServedModel:

@@ -35,6 +35,7 @@ from gateway.slice_worker import run_slice_worker
 from gateway.tuning import TuningLoop
 from gateway.routes.openai import OpenAIController
 from models.cpu_memory import freeze_long_lived_objects
+from models.openmp import releasing_thread_pool
 from gateway.routes.tokenize import TokenizeController
 
 log = structlog.get_logger(__name__)
@@ -109,7 +110,7 @@ def create_app(config: GatewayConfig) -> Litestar:
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         try:
-            await asyncio.to_thread(engine.start)
+            await asyncio.to_thread(releasing_thread_pool(engine.start))  # only slice threads keep OpenMP pools
         except ConfigError as exc:  # a layout over a slice's memory budget: say so, do not serve
             log.error("startup_failed", error=str(exc))
             raise

@@ -30,6 +30,7 @@ from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.gate_process import lower_thread_priority, short_gil_switch_interval
 from gateway.logging import configure_logging
+from models.openmp import release_thread_pool
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +78,7 @@ def run_slice_worker(conn: Connection, config_data: dict[str, Any], slice_name: 
     structlog.contextvars.bind_contextvars(slice_worker=slice_name)
     engine = Engine(worker_config(GatewayConfig.model_validate(config_data), slice_name), defer_gates=True)
     engine.start()
+    release_thread_pool()  # the loads ran here; only the slice thread keeps an OpenMP pool
     keys = [bucket.key for served in engine.models.values() for bucket in served.table.buckets]
     host = SliceHost(conn, engine.slices[slice_name], keys, rebuild=functools.partial(rebuild_bucket, engine))
     log.info("slice_worker_ready", slice=slice_name, buckets=[f"{model}/{bucket}" for model, bucket, _ in keys])
