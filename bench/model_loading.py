@@ -270,14 +270,17 @@ async def interfere(serving: Sender, admin: Admin, prompts: Iterator[str], args:
     }
 
 
-async def closed_loop(sender: Sender, prompts: Iterator[str], concurrency: int, duration_s: float) -> list[RequestResult]:
-    """``concurrency`` clients, each sending its next request as its last ends, for ``duration_s``."""
+async def closed_loop(
+    sender: Sender, prompts: Iterator[str], concurrency: int, duration_s: float, max_tokens: int = MAX_TOKENS
+) -> list[RequestResult]:
+    """``concurrency`` clients, each sending its next request (of ``max_tokens`` new tokens) as
+    its last ends, for ``duration_s``."""
     deadline = time.perf_counter() + duration_s
     results: list[RequestResult] = []
 
     async def client() -> None:
         while time.perf_counter() < deadline:
-            results.append(await sender.send(next(prompts), MAX_TOKENS))
+            results.append(await sender.send(next(prompts), max_tokens))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return results

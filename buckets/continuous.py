@@ -97,6 +97,7 @@ class ContinuousBatcher:
 
     def step(self) -> None:
         """One step: drop ended requests, schedule, run the forward, postprocess, emit (worker thread)."""
+        started = time.perf_counter()  # the phases' wall clock (self.clock may be a test's)
         settings, self._pending_settings = self._pending_settings, None
         if settings is not None:
             self.settings = settings
@@ -107,15 +108,22 @@ class ContinuousBatcher:
         if plan.is_empty:
             return
         self.output.record_plan(plan)
+        planned = time.perf_counter()
         try:
             output = self.runner.run(plan.forward)
         except Exception as exc:  # a failed forward fails its requests, never the loop
             log.exception("step_failed", step_id=plan.step_id, num_seqs=len(plan.scheduled))
             self._fail(plan.scheduled, BatchFailedError(f"forward failed: {exc}"))
             return
+        ran = time.perf_counter()
         if plan.scheduled:
             self._counters.record_batch(len(plan.scheduled), plan.forward.num_tokens)
-        self._count(self.output.process(self.scheduler.postprocess(plan, output)))
+        result = self.scheduler.postprocess(plan, output)
+        postprocessed = time.perf_counter()
+        self._count(self.output.process(result))
+        self._counters.record_phases(
+            planned - started, ran - planned - output.sampling_s, output.sampling_s, postprocessed - ran, time.perf_counter() - postprocessed
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -140,6 +148,7 @@ class ContinuousBatcher:
             prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=self.scheduler.counters.num_preemptions,
             num_chunked_prefills=self.scheduler.counters.num_chunked_prefills,
+            step_detokenize_s=self.output.detokenize_s,
         )
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ Owned by the bucket's worker thread, like the scheduler; no locks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,7 @@ class OutputProcessor:
         # the requests already sent an error while some of their choices are open.
         self._open_choices: dict[int, int] = {}
         self._errored: set[int] = set()
+        self.detokenize_s = 0.0  # wall seconds in the detokenizers since start (the step's phases)
 
     def add(self, seq: Sequence) -> None:
         """Follow a sequence the scheduler has just queued, and its pending forks (the request's
@@ -148,7 +150,9 @@ class OutputProcessor:
         """Detokenize, check stop strings and emit one token event; the sequence if it ended."""
         output = self._outputs[seq_id]
         seq, detokenizer = output.seq, output.detokenizer
+        started = time.perf_counter()
         text = detokenizer.update(seq.text_token_ids, is_last=reason is not None)
+        self.detokenize_s += time.perf_counter() - started
         if detokenizer.stopped:
             if reason is None:
                 self._scheduler.finish(seq_id, FinishReason.STOP)

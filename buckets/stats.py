@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable
+from typing import Any, Callable
 
 from buckets.request import Request
 
@@ -31,6 +31,13 @@ class BucketStats:
     chunks that left part of a prompt for a later step. ``num_timed_out`` counts requests
     dropped because their deadline passed (queued or running). ``num_rejected`` counts requests the
     bucket refused because its queue was full (filled in by the bucket, not the batcher).
+
+    Continuous batchers also add up the wall seconds of their steps by phase
+    (:data:`STEP_PHASES`): ``step_schedule_s`` (dropping ended requests, taking new ones,
+    planning), ``step_forward_s`` (the runner's ``run`` less its sampling), ``step_sampling_s``,
+    ``step_postprocess_s`` (the scheduler's books after the forward) and ``step_output_s`` (text
+    and events, of which ``step_detokenize_s`` detokenizing): where a token's time goes outside
+    the forward (``sluice bench token-path``).
     """
 
     kind: str
@@ -55,6 +62,12 @@ class BucketStats:
     num_preemptions: int = 0
     num_chunked_prefills: int = 0
     num_rejected: int = 0
+    step_schedule_s: float = 0.0
+    step_forward_s: float = 0.0
+    step_sampling_s: float = 0.0
+    step_postprocess_s: float = 0.0
+    step_output_s: float = 0.0
+    step_detokenize_s: float = 0.0
 
     @property
     def mean_batch_seqs(self) -> float:
@@ -74,6 +87,9 @@ class BucketStats:
         """Fraction of the pool's blocks held by sequences (0.0 without a pool)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
+
+# The phases of a continuous step, each a BucketStats field ``step_<phase>_s`` (detokenize is part of output).
+STEP_PHASES = ("schedule", "forward", "sampling", "postprocess", "output", "detokenize")
 
 # The BucketStats fields that describe the current build only: its queue and its KV pool. Every
 # other field counts since the bucket key first served.
@@ -111,6 +127,11 @@ class Counters:
     num_cancelled: int = 0
     num_failed: int = 0
     num_timed_out: int = 0
+    step_schedule_s: float = 0.0
+    step_forward_s: float = 0.0
+    step_sampling_s: float = 0.0
+    step_postprocess_s: float = 0.0
+    step_output_s: float = 0.0
     observers: list[BatchObserver] = field(default_factory=list, repr=False)
 
     def count_cancelled(self, request: Request) -> None:
@@ -130,7 +151,15 @@ class Counters:
         for observer in self.observers:
             observer(num_seqs, num_tokens, num_padding_tokens)
 
-    def snapshot(self, kind: str, num_waiting: int, num_running: int, **extra: int) -> BucketStats:
+    def record_phases(self, schedule_s: float, forward_s: float, sampling_s: float, postprocess_s: float, output_s: float) -> None:
+        """Add one step's phases, in seconds (:data:`STEP_PHASES`)."""
+        self.step_schedule_s += schedule_s
+        self.step_forward_s += forward_s
+        self.step_sampling_s += sampling_s
+        self.step_postprocess_s += postprocess_s
+        self.step_output_s += output_s
+
+    def snapshot(self, kind: str, num_waiting: int, num_running: int, **extra: Any) -> BucketStats:
         """A frozen copy of the counters plus the queue state (and ``extra`` :class:`BucketStats` fields)."""
         counts = {k: v for k, v in self.__dict__.items() if k != "observers"}
         return BucketStats(kind=kind, num_waiting=num_waiting, num_running=num_running, **counts, **extra)

@@ -1,5 +1,5 @@
 """The ``sluice`` command: ``sluice serve``, ``sluice prepare``, ``sluice bench engine``,
-``sluice bench load|tune|batching|output|logprobs|peers|loading``, ``sluice gate`` and ``sluice kv-plan``."""
+``sluice bench load|tune|batching|output|logprobs|peers|token-path|loading``, ``sluice gate`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ BENCH_COMMANDS = (
     ("output", "bench.output_stage", "time per token outside the forward at output lengths 64, 512 and 2,048"),
     ("logprobs", "bench.logprobs_cost", "step time at 32 running sequences with and without logprobs"),
     ("peers", "bench.peers", "Sluice, llama-server, vLLM CPU and transformers serve on one workload, side by side"),
+    ("token-path", "bench.token_path", "where a served token's time goes (step phases, event loop) against the bare decode step"),
     ("loading", "bench.model_loading", "models loaded on demand: cold load, eviction, what loads cost a model serving, RSS"),
 )
 

@@ -10,6 +10,12 @@ Requests no bucket took (a 400 before routing, a 404, a 503 while the model drai
 by :meth:`Metrics.observe_http` with an empty ``bucket`` label. Embedding (dynamic) buckets export no generation-only series
 (time to first token, time per output token, generated tokens, preemptions, KV usage).
 
+Where a streamed token's time goes: continuous buckets add up their steps by phase
+(``sluice_step_phase_seconds{phase}``: schedule, forward, sampling, postprocess, output and its
+detokenize; over ``sluice_steps``), and the event loop observes each event's hop from the worker
+(``sluice_event_hop_seconds``) and its SSE chunk's encoding and write (``sluice_stream_chunk_seconds``);
+``sluice bench token-path`` reads them.
+
 Names follow vLLM's where one exists (``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
 ``request_queue_time_seconds``, ``kv_cache_usage_ratio``), prefixed ``sluice_``.
 """
@@ -26,7 +32,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from buckets.request import GenerationRequest, Request
+from buckets.stats import STEP_PHASES
 from gateway.outcome import Outcome, outcome_of_status
+from gateway.streams import EventTimings
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -40,6 +48,8 @@ LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# The gateway's share of a streamed token: microseconds to tens of milliseconds.
+EVENT_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 # Requests kept per bucket for the dashboards' percentiles.
 RECENT_REQUESTS = 1000
@@ -119,6 +129,15 @@ class Metrics:
             "sluice_padding_ratio", "Padding tokens over all tokens of a dynamic batch.", LABELS,
             buckets=RATIO_BUCKETS, registry=registry,
         )
+        self.event_hop = Histogram(
+            "sluice_event_hop_seconds", "A request event from the worker's sink call to the event loop running it.",
+            buckets=EVENT_BUCKETS_S, registry=registry,
+        )
+        self.stream_chunk = Histogram(
+            "sluice_stream_chunk_seconds", "A streamed event from reaching the event loop to its SSE chunk handed to the connection.",
+            buckets=EVENT_BUCKETS_S, registry=registry,
+        )
+        self.event_timings = EventTimings(self.event_hop.observe, self.stream_chunk.observe)
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens of finished requests.", LABELS, registry=registry
         )
@@ -243,6 +262,11 @@ class EngineCollector:
         waiting = GaugeMetricFamily("sluice_requests_waiting", "Requests queued, not yet running.", labels=list(LABELS))
         running = GaugeMetricFamily("sluice_requests_running", "Sequences running.", labels=list(LABELS))
         kv_usage = GaugeMetricFamily("sluice_kv_cache_usage_ratio", "KV blocks in use over the pool.", labels=list(LABELS))
+        steps = CounterMetricFamily("sluice_steps", "Forwards run (continuous steps, dynamic batches).", labels=list(LABELS))
+        phases = CounterMetricFamily(
+            "sluice_step_phase_seconds", "Wall seconds of continuous steps by phase (detokenize is part of output).",
+            labels=[*LABELS, "phase"],
+        )
         for name, served in list(self.engine.models.items()):
             for bucket in served.table.buckets:
                 stats = bucket.stats()
@@ -254,9 +278,12 @@ class EngineCollector:
                     requests.add_metric([*labels, outcome], count)
                 waiting.add_metric(labels, stats.num_waiting)
                 running.add_metric(labels, stats.num_running)
+                steps.add_metric(labels, stats.num_steps)
                 if stats.kind == "continuous":
                     preemptions.add_metric(labels, stats.num_preemptions)
                     kv_usage.add_metric(labels, stats.kv_usage)
+                    for phase in STEP_PHASES:
+                        phases.add_metric([*labels, phase], getattr(stats, f"step_{phase}_s"))
         for (model, outcome), count in sorted(self.unrouted_counts().items()):
             requests.add_metric([model, "", outcome], count)
         busy = GaugeMetricFamily("sluice_slice_busy_ratio", "Share of the last 10 s the slice's worker stepped.", labels=["slice"])
@@ -264,7 +291,7 @@ class EngineCollector:
         for slice_name, device_slice in self.engine.slices.items():
             busy.add_metric([slice_name], device_slice.busy_ratio())
             busy_s.add_metric([slice_name], device_slice.busy_s)
-        yield from (requests, preemptions, waiting, running, kv_usage, busy, busy_s)
+        yield from (requests, preemptions, waiting, running, kv_usage, steps, phases, busy, busy_s)
 
 
 class ResidencyCollector:

@@ -42,33 +42,58 @@ class Interrupt:
 ChannelItem = RequestEvent | Interrupt
 
 
+@dataclass(frozen=True)
+class EventTimings:
+    """Where the gateway's share of a token's time is observed, in seconds (``perf_counter``):
+    ``observe_hop`` gets the time from the worker's sink call to the event loop running it,
+    ``observe_chunk`` the time from then until the event's SSE chunk was handed to the
+    connection (:meth:`EventChannel.chunk_sent`)."""
+
+    observe_hop: Callable[[float], None]
+    observe_chunk: Callable[[float], None]
+
+
 class EventChannel:
     """An asyncio queue filled from any thread through :meth:`sink`, or from the loop through
     :meth:`interrupt`.
 
-    Create it on the event loop; pass :meth:`sink` to the core's request.
+    Create it on the event loop; pass :meth:`sink` to the core's request. With ``timings``, each
+    event's hop to the loop is observed, and a streaming response calls :meth:`chunk_sent`
+    once the chunk of the event it last took is written.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timings: EventTimings | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[ChannelItem] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[ChannelItem, float]] = asyncio.Queue()
+        self._timings = timings
+        self._taken_arrival_s = 0.0  # when the item next() returned last reached the loop
         self.has_events = False  # an event of the core has reached the loop (the request started producing)
 
     def sink(self, event: RequestEvent) -> None:
         """Called by the worker thread: hand the event to the loop (never blocks)."""
-        self._loop.call_soon_threadsafe(self._put, event)
+        self._loop.call_soon_threadsafe(self._put, event, time.perf_counter())
 
-    def _put(self, event: RequestEvent) -> None:
+    def _put(self, event: RequestEvent, sent_s: float) -> None:
+        arrival_s = time.perf_counter()
+        if self._timings is not None:
+            self._timings.observe_hop(arrival_s - sent_s)
         self.has_events = True
-        self._queue.put_nowait(event)
+        self._queue.put_nowait((event, arrival_s))
 
     def interrupt(self, reason: InterruptReason) -> None:
         """Called on the loop: queue an :class:`Interrupt` after what is queued."""
-        self._queue.put_nowait(Interrupt(reason))
+        self._queue.put_nowait((Interrupt(reason), time.perf_counter()))
 
     async def next(self) -> ChannelItem:
         """The next event or interrupt."""
-        return await self._queue.get()
+        item, self._taken_arrival_s = await self._queue.get()
+        return item
+
+    def chunk_sent(self) -> None:
+        """Observe the time from the last item's arrival on the loop until now, when its chunk
+        has been handed to the connection (nothing without ``timings``)."""
+        if self._timings is not None:
+            self._timings.observe_chunk(time.perf_counter() - self._taken_arrival_s)
 
 
 class RequestWatch:

@@ -132,6 +132,7 @@ class CausalLMRunner:
         asking = [i for i, s in enumerate(sampling) if s.num_top_logprobs is not None]
         # Indexing copies the rows, so logits processors that work in place cannot reach them.
         raw = logits[torch.tensor(asking, device=self.device)] if asking else None
+        sampling_started = time.perf_counter()
         generators = [self._generator(s.seq_id, s.params) for s in sampling]
         histories = [self._history(s) for s in sampling]
         constrained = [(i, s.seq_id, c) for i, s in enumerate(sampling) if (c := s.params.constraint) is not None]
@@ -143,13 +144,14 @@ class CausalLMRunner:
         for history, token in zip(histories, tokens):
             if history is not None:
                 history.output_token_ids.append(token)
+        sampling_s = time.perf_counter() - sampling_started
         logprobs: dict[int, TokenLogprobs] = {}
         if raw is not None:
             computed = token_logprobs(raw, [tokens[i] for i in asking], [sampling[i].num_top_logprobs or 0 for i in asking])
             logprobs = {sampling[i].seq_id: lp for i, lp in zip(asking, computed)}
         return ForwardOutput(
             sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)}, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            constraint_done=constraint_done,
+            constraint_done=constraint_done, sampling_s=sampling_s,
         )
 
     def _token_mask(self, constrained: list[tuple[int, int, Constraint]]) -> TokenMask:

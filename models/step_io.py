@@ -177,9 +177,12 @@ class ForwardOutput:
             :class:`TokenLogprobs` per such token, in order.
         constraint_done: the sequences whose constraint is complete with the token sampled
             this step (nothing but end-of-sequence may follow): they end with ``finish_reason="stop"``.
+        sampling_s: wall seconds the runner spent sampling (and masking), for the step's phases
+            (:class:`buckets.stats.BucketStats`).
     """
 
     sampled_token_ids: dict[int, int]
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     constraint_done: frozenset[int] = frozenset()
+    sampling_s: float = 0.0

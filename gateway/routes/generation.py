@@ -379,6 +379,7 @@ async def stream_response(
             token_chunk = _token_chunk(served, response_id, fmt, choice, item, echo_pending)
             if token_chunk is not None:
                 yield token_chunk
+                source.channel.chunk_sent()  # resumed: the chunk went to the connection
         if include_usage_now:
             usage = _envelope(served, response_id, fmt, is_chunk=True)
             usage.update(choices=[], usage=_usage_of(sources))

@@ -207,7 +207,7 @@ async def _generate(
     try:
         for p, (prompt, text) in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{p}"
-            channel = EventChannel()
+            channel = EventChannel(http_request.app.state.metrics.event_timings)
             build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s)
             request = await router.submit(served, prompt, budget, deadline_s, build, body.n)
             assert isinstance(request, GenerationRequest)

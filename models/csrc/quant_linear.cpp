@@ -289,15 +289,19 @@ std::vector<int64_t> supported_isas() {
 
 }  // namespace
 
+// The GIL is released while a product or a norm runs, as torch's own ops and the paged-attention
+// kernel do: a decode step is hundreds of these calls, and the server's event loop shares the
+// process (it would otherwise wait for the step's next torch op to get the GIL).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   module.def("int4_linear", &int4_linear, "x [M, K] f32 @ (d * q + m).T, q4 [N, K/2] u8, d and m [N, K/32] f32",
-             pybind11::arg("x"), pybind11::arg("q4"), pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("isa"));
+             pybind11::arg("x"), pybind11::arg("q4"), pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("isa"), ReleaseGil());
   module.def("int8_linear", &int8_linear, "x [M, K] f32 @ (s * q).T, q8 [N, K] i8, s [N, K/group] f32", pybind11::arg("x"),
-             pybind11::arg("q8"), pybind11::arg("s"), pybind11::arg("isa"));
+             pybind11::arg("q8"), pybind11::arg("s"), pybind11::arg("isa"), ReleaseGil());
   module.def("rms_norm", &rms_norm, "x [T, H] f32 rows / sqrt(mean(x^2) + eps) * w", pybind11::arg("x"), pybind11::arg("w"),
-             pybind11::arg("eps"));
+             pybind11::arg("eps"), ReleaseGil());
   module.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then rms_norm(x, w, eps)", pybind11::arg("x"),
-             pybind11::arg("delta"), pybind11::arg("w"), pybind11::arg("eps"));
+             pybind11::arg("delta"), pybind11::arg("w"), pybind11::arg("eps"), ReleaseGil());
   module.def("supported_isas", &supported_isas, "the ISA levels this CPU runs: 1 avx2, 2 avx512");
 }
 

@@ -172,3 +172,32 @@ def test_responses_carry_bucket_queue_and_prefill_timings(metrics_url: str, stre
     queue_ms = float(second.headers["x-sluice-queue-ms"])
     assert queue_ms > 100, queue_ms  # waited for the first request's 24 tokens
     assert queue_ms + float(second.headers["x-sluice-prefill-ms"]) <= second_e2e_s * 1000
+
+
+def test_a_streamed_request_adds_to_the_token_path_metrics(metrics_url: str) -> None:
+    """Each step's phases and each event's hop and chunk are counted (``sluice bench token-path``
+    reads them): a stream of 8 tokens adds at least 8 steps, a forward share larger than any
+    other phase, and 8 events to both event histograms."""
+    before = scrape(metrics_url)
+    body = {"model": GENERATE_MODEL, "prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    asyncio.run(_streamed_ttft_s(httpx.AsyncClient(base_url=metrics_url, timeout=60), body))
+    hops_before = sample(before, "sluice_event_hop_seconds", "_count")
+
+    def counted() -> dict[str, Any] | None:
+        families = scrape(metrics_url)
+        return families if sample(families, "sluice_event_hop_seconds", "_count") >= hops_before + 8 else None
+
+    after = wait_for(counted, WAIT_S, "8 events observed")
+
+    def delta(family: str, suffix: str, **labels: str) -> float:
+        return sample(after, family, suffix, **labels) - sample(before, family, suffix, **labels)
+
+    assert delta("sluice_steps", "_total", model=GENERATE_MODEL) >= 8
+    phases = {p: delta("sluice_step_phase_seconds", "_total", model=GENERATE_MODEL, phase=p)
+              for p in ("schedule", "forward", "sampling", "postprocess", "output", "detokenize")}
+    assert all(seconds > 0 for seconds in phases.values()), phases
+    assert phases["forward"] == max(phases.values()), phases
+    assert phases["detokenize"] <= phases["output"]
+    for family in ("sluice_event_hop_seconds", "sluice_stream_chunk_seconds"):
+        assert delta(family, "_count") >= 8, family
+        assert delta(family, "_sum") > 0, family
