@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -82,21 +83,9 @@ def run(args: argparse.Namespace) -> int:
     cpu = {"model_name": cpu_model_name(), "num_cores": os.cpu_count(), "key_flags": key_flags}
     print(f"CPU: {cpu['model_name']}, {cpu['num_cores']} cores, flags {' '.join(key_flags) or 'none of avx2/avx512'}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    folder = Path(tempfile.mkdtemp(prefix="sluice-bench-loading-"))
-    config_path, log_path = folder / "config.yaml", folder / "server.log"
-    config_path.write_text(yaml.safe_dump(gateway_config(args.threads)))
-    port = _free_port()
-    spec = ServerSpec(
-        PeerKind.SLUICE, [sys.executable, "-m", "gateway", "serve", "--config", str(config_path), "--port", str(port)],
-        f"http://127.0.0.1:{port}", SERVED, "/health", {"HF_HUB_OFFLINE": "1"},
-    )
     try:
-        proc = start_server(spec, log_path, Path.cwd())
-        try:
-            wait_ready(spec, proc, log_path, STARTUP_TIMEOUT_S)
-            results = asyncio.run(measure(spec.base_url, proc.pid, log_path, args))
-        finally:
-            stop_server(proc)
+        with local_gateway(gateway_config(args.threads), "sluice-bench-loading-", SERVED) as (base_url, pid, log_path):
+            results = asyncio.run(measure(base_url, pid, log_path, args))
     except PeerError as exc:
         print(f"sluice bench loading: {exc}", file=sys.stderr)
         return 1
@@ -105,12 +94,37 @@ def run(args: argparse.Namespace) -> int:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpu": cpu,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
-        "folder": str(folder),
+        "folder": str(log_path.parent),
     })
     print(format_table(results))
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.output}; config and server log in {folder}")
+    print(f"wrote {args.output}; config and server log in {log_path.parent}")
     return 0
+
+
+@contextlib.contextmanager
+def local_gateway(config: dict[str, Any], prefix: str, model: str) -> Iterator[tuple[str, int, Path]]:
+    """A gateway (``python -m gateway serve``, ``HF_HUB_OFFLINE=1``) serving ``config`` on a free
+    127.0.0.1 port, its config and log in a new temporary folder named ``prefix...``; yields its
+    root URL, its pid and its log's path once ``/health`` answers, and stops it on exit.
+
+    Raises:
+        PeerError: it could not start, exited, or was not ready within ``STARTUP_TIMEOUT_S``.
+    """
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    config_path, log_path = folder / "config.yaml", folder / "server.log"
+    config_path.write_text(yaml.safe_dump(config))
+    port = _free_port()
+    spec = ServerSpec(
+        PeerKind.SLUICE, [sys.executable, "-m", "gateway", "serve", "--config", str(config_path), "--port", str(port)],
+        f"http://127.0.0.1:{port}", model, "/health", {"HF_HUB_OFFLINE": "1"},
+    )
+    proc = start_server(spec, log_path, Path.cwd())
+    try:
+        wait_ready(spec, proc, log_path, STARTUP_TIMEOUT_S)
+        yield spec.base_url, proc.pid, log_path
+    finally:
+        stop_server(proc)
 
 
 def gateway_config(num_threads: int) -> dict[str, Any]:

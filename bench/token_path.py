@@ -30,21 +30,19 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load import _positive_float, _positive_int
 from bench.load_report import percentile
-from bench.model_loading import SMOLLM2_SOURCE, STARTUP_TIMEOUT_S, _endless, _sender, _smollm2_folder, closed_loop
-from bench.peers import KEY_FLAGS, _free_port, workload_texts
-from bench.peers_systems import PeerError, PeerKind, ServerSpec, cpu_flags, cpu_model_name, start_server, stop_server, wait_ready
+from bench.model_loading import SMOLLM2_SOURCE, _endless, _sender, _smollm2_folder, closed_loop, local_gateway
+from bench.peers import KEY_FLAGS, workload_texts
+from bench.peers_systems import PeerError, cpu_flags, cpu_model_name
 
 MODEL = "smollm2"
 PROMPT_TOKENS = 32  # short, as the bare step's prompt: nearly every step is a decode
@@ -79,21 +77,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"CPU: {cpu['model_name']}, {cpu['num_cores']} cores, flags {' '.join(key_flags) or 'none of avx2/avx512'}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     bare_step_ms = bare_step(args.kind, args.threads, args.tokens, args.bare_repeats)
-    folder = Path(tempfile.mkdtemp(prefix="sluice-bench-token-path-"))
-    config_path, log_path = folder / "config.yaml", folder / "server.log"
-    config_path.write_text(yaml.safe_dump(gateway_config(args.kind, args.threads, max(concurrencies))))
-    port = _free_port()
-    spec = ServerSpec(
-        PeerKind.SLUICE, [sys.executable, "-m", "gateway", "serve", "--config", str(config_path), "--port", str(port)],
-        f"http://127.0.0.1:{port}", MODEL, "/health", {"HF_HUB_OFFLINE": "1"},
-    )
+    config = gateway_config(args.kind, args.threads, max(concurrencies))
     try:
-        proc = start_server(spec, log_path, Path.cwd())
-        try:
-            wait_ready(spec, proc, log_path, STARTUP_TIMEOUT_S)
-            served = asyncio.run(measure_served(spec.base_url, concurrencies, args))
-        finally:
-            stop_server(proc)
+        with local_gateway(config, "sluice-bench-token-path-", MODEL) as (base_url, _, log_path):
+            served = asyncio.run(measure_served(base_url, concurrencies, args))
     except PeerError as exc:
         print(f"sluice bench token-path: {exc}", file=sys.stderr)
         return 1
@@ -102,11 +89,11 @@ def run(args: argparse.Namespace) -> int:
         "bare_step_ms": bare_step_ms, "served": served,
         "c1_served_tpot_over_bare_step": ratio(served.get("1", {}).get("tpot_p50_ms"), bare_step_ms),
         "target_ratio": TARGET_RATIO, "cpu": cpu, "load_average": [round(x, 2) for x in os.getloadavg()],
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "folder": str(folder),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "folder": str(log_path.parent),
     }
     print(format_table(results))
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.output}; config and server log in {folder}")
+    print(f"wrote {args.output}; config and server log in {log_path.parent}")
     return 0
 
 
