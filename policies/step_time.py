@@ -239,6 +239,7 @@ class StallFreeBudget:
         self.min_prefill_tokens = min_prefill_tokens
         self.model = model or StepTimeModel()
         self.decode_only_factor = decode_only_factor
+        self.last_target_s: float | None = None  # the target of the last budget asked for
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
         """Feed one step's measured duration to the model (the batcher, after each forward)."""
@@ -254,5 +255,5 @@ class StallFreeBudget:
     def max_prefill_tokens(self, num_decode_tokens: int, max_tokens: int) -> int:
         """The prefill tokens a step with ``num_decode_tokens`` decodes may take, at most
         ``max_tokens`` (called by the scheduler once per step)."""
-        target = self.target_s(num_decode_tokens)
+        target = self.last_target_s = self.target_s(num_decode_tokens)
         return max_prefill_tokens(self.model.fit, num_decode_tokens, target, max_tokens, self.min_prefill_tokens)
