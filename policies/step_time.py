@@ -156,7 +156,7 @@ class StepTimeModel:
         ValueError: a non-positive argument.
     """
 
-    def __init__(self, window: int = 128, half_life_steps: float = 32.0, refit_every: int = 4, outlier_mads: float = 4.0):
+    def __init__(self, window: int = 128, half_life_steps: float = 32.0, refit_every: int = 8, outlier_mads: float = 4.0):
         if window < 2 or half_life_steps <= 0 or refit_every < 1 or outlier_mads <= 0:
             raise ValueError(
                 f"window {window}, half_life_steps {half_life_steps}, refit_every {refit_every}, "
