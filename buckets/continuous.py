@@ -120,7 +120,9 @@ class ContinuousBatcher:
             self._fail(plan.scheduled, BatchFailedError(f"forward failed: {exc}"))
             return
         if plan.scheduled:
-            self.step_budget.observe(plan.num_decode_tokens, plan.num_prefill_tokens, self.clock() - started_s)
+            self.step_budget.observe(
+                plan.num_decode_tokens, plan.num_prefill_tokens, plan.num_attended_pairs, self.clock() - started_s
+            )
             self._counters.record_batch(len(plan.scheduled), plan.forward.num_tokens)
         self._count(self.output.process(self.scheduler.postprocess(plan, output)))
 

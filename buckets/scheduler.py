@@ -10,11 +10,11 @@ they never touch tensors, text, events or admission tickets.
 Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 
 1. running sequences that decode get their one token first, then running sequences still in
-   prefill get their next chunk, within the step's prefill budget: with decodes running, the
+   prefill get their next chunk, within the step's prefill room: with decodes running, the
    most prefill tokens that keep the step within its time target (a :class:`PrefillBudget`,
-   :class:`policies.step_time.StallFreeBudget`: Sarathi-Serve's stall-free batching), never
-   fewer than its floor; with nothing decoding, or without a budget object, the whole
-   ``max_num_batched_tokens``. A long prompt runs in chunks across steps, and the decodes beside
+   :class:`policies.step_time.StallFreeBudget`: Sarathi-Serve's stall-free batching; a chunk's
+   cost grows with its position, as its attention does), never fewer than its floor; with
+   nothing decoding, or without a budget object, the whole ``max_num_batched_tokens``. A long prompt runs in chunks across steps, and the decodes beside
    it wait one chunk, never the whole prefill;
 2. a sequence whose blocks run out preempts by recompute: the victim (lowest effective
    priority, latest arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes
@@ -48,6 +48,7 @@ from models.step_io import ForwardInput, ForwardOutput, SequenceInput, TokenLogp
 from policies.deadlines import is_expired
 from policies.preemption import pick_victim
 from policies.priority import AgingPriorityQueue, priority_key
+from policies.step_time import PrefillRoom, attended_pairs
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ class StepPlan:
         num_preempted: sequences preempted while planning this step.
         num_decode_tokens: tokens of sequences that decode (one each); the rest of
             ``forward.num_tokens`` are prefill tokens (prompts, or recomputed outputs).
-        max_prefill_tokens: the prefill budget this step was planned with.
+        num_attended_pairs: the (query, key) pairs the step's attention covers
+            (:func:`policies.step_time.attended_pairs` summed over the sequences).
+        max_prefill_tokens: the prefill tokens this step had room for at its start, counted as
+            one chunk at position 0 (a deeper chunk attends more, so gets fewer).
     """
 
     step_id: int
@@ -69,6 +73,7 @@ class StepPlan:
     scheduled: list[Sequence] = field(default_factory=list)
     num_preempted: int = 0
     num_decode_tokens: int = 0
+    num_attended_pairs: int = 0
     max_prefill_tokens: int = 0
 
     @property
@@ -103,29 +108,36 @@ class StepResult:
 
 
 class PrefillBudget(Protocol):
-    """How many prefill tokens a step may take beside its decodes (the step-time policy)."""
+    """How much prefill a step may take beside its decodes (the step-time policy)."""
 
-    def max_prefill_tokens(self, num_decode_tokens: int, max_tokens: int) -> int:
-        """The prefill tokens a step with ``num_decode_tokens`` decodes may take, between 0 and
-        ``max_tokens`` (the step's cap left after the decodes). Called by :meth:`Scheduler.schedule`
-        once per step; pure bookkeeping on the caller's side (the budget measures nothing itself)."""
+    def open_step(self, num_decode_tokens: int, num_attended_pairs: int, max_tokens: int) -> PrefillRoom:
+        """The prefill room of a step with ``num_decode_tokens`` decodes attending
+        ``num_attended_pairs`` (query, key) pairs and ``max_tokens`` of its cap left after them.
+        Called by :meth:`Scheduler.schedule` once per step; the budget measures nothing itself."""
 
 
 @dataclass
 class _StepBudget:
-    """The tokens one step still has room for: in all (``max_num_batched_tokens``) and for prefill."""
+    """The tokens one step still has room for: in all (``max_num_batched_tokens``) and, by
+    position, for prefill chunks (``prefill``)."""
 
     num_tokens: int
-    num_prefill_tokens: int
+    prefill: PrefillRoom
 
-    def room(self, is_prefill: bool) -> int:
-        return min(self.num_tokens, self.num_prefill_tokens) if is_prefill else self.num_tokens
+    @property
+    def has_prefill_room(self) -> bool:
+        return self.num_tokens > 0 and self.prefill.num_tokens_left > 0
 
-    def take(self, num_tokens: int, is_prefill: bool) -> None:
-        """Spend ``num_tokens`` (negative: give them back, for a preempted sequence)."""
+    def room(self, seq: Sequence, position: int, is_prefill: bool) -> int:
+        """The tokens ``seq``, computing from ``position``, may take now."""
+        wanted = min(seq.num_tokens - position, self.num_tokens)
+        return self.prefill.tokens_for(position, wanted) if is_prefill else wanted
+
+    def take(self, position: int, num_tokens: int, is_prefill: bool) -> None:
+        """Spend ``num_tokens`` from ``position`` (negative: give them back, for a preempted sequence)."""
         self.num_tokens -= num_tokens
         if is_prefill:
-            self.num_prefill_tokens -= num_tokens
+            self.prefill.take(position, num_tokens)
 
 
 @dataclass
@@ -226,7 +238,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step (decodes, then prefill chunks, then new sequences)."""
         budget = self._step_budget()
-        self.max_prefill_tokens = budget.num_prefill_tokens
+        self.max_prefill_tokens = budget.prefill.tokens_for(0, budget.num_tokens)
         scheduled: dict[int, tuple[Sequence, int]] = {}
         num_preempted = self._schedule_running(scheduled, budget)
         if not num_preempted:
@@ -234,11 +246,12 @@ class Scheduler:
         seqs = [seq for seq, _ in scheduled.values()]
         inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
         num_decode_tokens = sum(1 for seq, _ in scheduled.values() if not self._is_prefill(seq))
+        num_pairs = sum(attended_pairs(seq.num_computed_tokens, n) for seq, n in scheduled.values())
         forward = ForwardInput(inputs, self.take_released(), self._block_copies)
         self._block_copies = []
         return StepPlan(
             step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted,
-            num_decode_tokens=num_decode_tokens, max_prefill_tokens=self.max_prefill_tokens,
+            num_decode_tokens=num_decode_tokens, num_attended_pairs=num_pairs, max_prefill_tokens=self.max_prefill_tokens,
         )
 
     def _step_budget(self) -> _StepBudget:
@@ -246,10 +259,11 @@ class Scheduler:
         policy allows beside the running decodes (counted before any preemption, so a step that
         preempts a decode stays within its target)."""
         max_tokens = self.settings.max_num_batched_tokens
-        num_decodes = min(max_tokens, sum(1 for seq in self.running if not self._is_prefill(seq)))
+        decodes = [seq for seq in self.running if not self._is_prefill(seq)][:max_tokens]
         if self.prefill_budget is None:
-            return _StepBudget(max_tokens, max_tokens)
-        return _StepBudget(max_tokens, self.prefill_budget.max_prefill_tokens(num_decodes, max_tokens - num_decodes))
+            return _StepBudget(max_tokens, PrefillRoom(None, None, max_tokens, 0))
+        num_pairs = sum(seq.num_computed_tokens + 1 for seq in decodes)
+        return _StepBudget(max_tokens, self.prefill_budget.open_step(len(decodes), num_pairs, max_tokens - len(decodes)))
 
     @staticmethod
     def _is_prefill(seq: Sequence) -> bool:
@@ -264,13 +278,13 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
             is_prefill = self._is_prefill(seq)
-            num_tokens = min(seq.num_uncomputed_tokens, budget.room(is_prefill))
+            num_tokens = budget.room(seq, seq.num_computed_tokens, is_prefill)
             if num_tokens == 0:
                 break
             while not self.block_manager.can_append(seq.seq_id, seq.num_computed_tokens + num_tokens):
                 victim = self._pick_victim()
                 if victim.seq_id in scheduled:
-                    budget.take(-scheduled.pop(victim.seq_id)[1], self._is_prefill(victim))
+                    budget.take(victim.num_computed_tokens, -scheduled.pop(victim.seq_id)[1], self._is_prefill(victim))
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -278,7 +292,7 @@ class Scheduler:
             else:
                 self.block_manager.append(seq.seq_id, seq.num_computed_tokens + num_tokens)
                 scheduled[seq.seq_id] = (seq, num_tokens)
-                budget.take(num_tokens, is_prefill)
+                budget.take(seq.num_computed_tokens, num_tokens, is_prefill)
         return num_preempted
 
     def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget) -> None:
@@ -288,7 +302,7 @@ class Scheduler:
         manager = self.block_manager
         # Seats taken: running sequences and the pending forks of those still prefilling.
         num_seats = len(self.running) + sum(len(s.forks) for s in self.running)
-        while self.waiting and budget.room(True) > 0 and num_seats < self.settings.max_num_seqs:
+        while self.waiting and budget.has_prefill_room and num_seats < self.settings.max_num_seqs:
             seq = self.waiting.peek()
             if num_seats and num_seats + 1 + len(seq.forks) > self.settings.max_num_seqs:
                 break  # room for every choice of the request, or the whole room
@@ -297,8 +311,8 @@ class Scheduler:
             # such a sequence skips the lookup and computes its whole prompt.
             hashes = [] if seq.request.needs_prompt_logprobs else seq.block_hashes
             num_cached = manager.num_cached_prefix_tokens(hashes, num_known)
-            num_tokens = min(num_known - num_cached, budget.room(True))
-            if not manager.can_allocate(hashes, num_known, num_cached + num_tokens):
+            num_tokens = budget.room(seq, num_cached, True)
+            if num_tokens == 0 or not manager.can_allocate(hashes, num_known, num_cached + num_tokens):
                 break
             seq.num_computed_tokens = manager.allocate(seq.seq_id, hashes, num_known, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
@@ -307,7 +321,7 @@ class Scheduler:
             self.running.append(seq)
             num_seats += 1 + len(seq.forks)
             scheduled[seq.seq_id] = (seq, num_tokens)
-            budget.take(num_tokens, True)
+            budget.take(num_cached, num_tokens, True)
 
     def _pick_victim(self) -> Sequence:
         aging_s = self.settings.priority_aging_s

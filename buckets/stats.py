@@ -31,9 +31,9 @@ class BucketStats:
     prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions, and prefill
     chunks that left part of a prompt for a later step, and their step-time model
     (:mod:`policies.step_time`): ``step_time_base_ms + step_time_decode_token_ms * decodes +
-    step_time_prefill_token_ms * prefill tokens`` fit over ``step_time_samples`` steps (0 before
-    a fit), the step-time target of the last step ``step_target_ms`` (0: none yet, or fixed
-    chunking) and its prefill budget ``max_prefill_tokens``. ``num_timed_out`` counts requests
+    step_time_prefill_token_ms * prefill tokens + step_time_attended_pair_ns / 1e6 * attended
+    (query, key) pairs`` fit over ``step_time_samples`` steps (0 before a fit), the step-time target of the last step ``step_target_ms`` (0: none yet, or fixed
+    chunking) and its prefill room ``max_prefill_tokens`` (as one chunk at position 0). ``num_timed_out`` counts requests
     dropped because their deadline passed (queued or running). ``num_rejected`` counts requests the
     bucket refused because its queue was full (filled in by the bucket, not the batcher).
     """
@@ -63,6 +63,7 @@ class BucketStats:
     step_time_base_ms: float = 0.0
     step_time_decode_token_ms: float = 0.0
     step_time_prefill_token_ms: float = 0.0
+    step_time_attended_pair_ns: float = 0.0
     step_time_samples: int = 0
     step_target_ms: float = 0.0
     max_prefill_tokens: int = 0
@@ -88,7 +89,8 @@ class BucketStats:
 
 # Its step-time model's figures (a gauge each, not a count).
 STEP_TIME_FIELDS = frozenset({
-    "step_time_base_ms", "step_time_decode_token_ms", "step_time_prefill_token_ms", "step_time_samples",
+    "step_time_base_ms", "step_time_decode_token_ms", "step_time_prefill_token_ms", "step_time_attended_pair_ns",
+    "step_time_samples",
     "step_target_ms", "max_prefill_tokens",
 })
 # The BucketStats fields that describe the current build only: its queue, its KV pool and its
@@ -160,6 +162,7 @@ def step_time_stats(budget: StallFreeBudget, max_prefill_tokens: int) -> dict[st
         "step_time_base_ms": fit.base_s * 1000 if fit else 0.0,
         "step_time_decode_token_ms": fit.per_decode_token_s * 1000 if fit else 0.0,
         "step_time_prefill_token_ms": fit.per_prefill_token_s * 1000 if fit else 0.0,
+        "step_time_attended_pair_ns": fit.per_attended_pair_s * 1e9 if fit else 0.0,
         "step_time_samples": fit.num_samples if fit else 0,
         "step_target_ms": target_s * 1000 if target_s is not None else 0.0,
         "max_prefill_tokens": max_prefill_tokens,

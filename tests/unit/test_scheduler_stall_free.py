@@ -12,10 +12,10 @@ from buckets.continuous import ContinuousBatcher
 from buckets.scheduler import Scheduler, StepPlan
 from buckets.settings import ContinuousBatcherSettings
 from models.step_io import ForwardInput, ForwardOutput
-from policies.step_time import StallFreeBudget, StepTimeModel
+from policies.step_time import StallFreeBudget, StepTimeFit, StepTimeModel, attended_pairs
 from tests.factories import EOS, FakeClock, FakeTokenizer, events_of, make_request, make_scheduler, make_sequence
 
-BASE_S, DECODE_S, PREFILL_S = 0.010, 0.002, 0.001  # the fake backend's step time
+BASE_S, DECODE_S, PREFILL_S, PAIR_S = 0.010, 0.002, 0.001, 1e-6  # the fake backend's step time
 BLOCK_SIZE = 16
 
 
@@ -23,18 +23,30 @@ def step_time_s(num_decode_tokens: int, num_prefill_tokens: int) -> float:
     return BASE_S + DECODE_S * num_decode_tokens + PREFILL_S * num_prefill_tokens
 
 
-def fed_budget(target_step_s: float | None) -> StallFreeBudget:
-    """A budget whose model has seen steps of the fake backend at several shapes."""
-    budget = StallFreeBudget(target_step_s, min_prefill_tokens=BLOCK_SIZE, model=StepTimeModel(refit_every=1))
-    for decodes, prefills in [(0, 64), (0, 256), (1, 0), (4, 0), (8, 0), (4, 32), (2, 100)]:
-        budget.observe(decodes, prefills, step_time_s(decodes, prefills))
-    return budget
+class FixedFit(StepTimeModel):
+    """A step-time model that always answers ``fit`` (a stand-in for a fed one, exact)."""
+
+    def __init__(self, fit: StepTimeFit) -> None:
+        super().__init__()
+        self._fixed = fit
+
+    @property
+    def fit(self) -> StepTimeFit:
+        return self._fixed
 
 
-def stall_free_scheduler(target_step_s: float | None, max_num_batched_tokens: int = 1024) -> Scheduler:
+def fixed_budget(target_step_s: float | None, pair_s: float = 0.0) -> StallFreeBudget:
+    """A budget over the fake backend's exact step-time model."""
+    fit = StepTimeFit(BASE_S, DECODE_S, PREFILL_S, pair_s, num_samples=10, num_outliers=0, has_prefill=True)
+    return StallFreeBudget(target_step_s, BLOCK_SIZE, FixedFit(fit))
+
+
+def stall_free_scheduler(
+    target_step_s: float | None, max_num_batched_tokens: int = 1024, budget: StallFreeBudget | None = None
+) -> Scheduler:
     return make_scheduler(
         max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, num_blocks=256, block_size=BLOCK_SIZE,
-        prefill_budget=fed_budget(target_step_s),
+        prefill_budget=budget or fixed_budget(target_step_s),
     )
 
 
@@ -73,6 +85,28 @@ def test_a_long_prompt_beside_decodes_runs_in_bounded_chunks() -> None:
         assert (prompt.num_computed_tokens == 600) == (i == num_steps - 1)
     assert prompt.output_token_ids == [7]  # the last chunk sampled its first token
     assert scheduler.counters.num_chunked_prefills == num_steps - 1
+
+
+def test_chunks_shrink_as_the_prompt_goes_deeper_when_attention_costs() -> None:
+    budget = fixed_budget(0.050, pair_s=1e-6)
+    fit = budget.model.fit
+    assert fit is not None
+    scheduler = stall_free_scheduler(None, budget=budget)
+    start_decodes(scheduler, 4)
+    prompt = make_sequence(make_request(1200, max_tokens=4, name="long", first_token=1000))
+    scheduler.add(prompt)
+    chunks = []
+    while prompt.num_computed_tokens < 1200:
+        position = prompt.num_computed_tokens
+        plan = step(scheduler)
+        assert plan.num_decode_tokens == 4
+        chunks.append(plan.num_prefill_tokens)
+        predicted = fit.predict_s(4, plan.num_prefill_tokens, plan.num_attended_pairs)
+        assert predicted <= 0.050 + 1e-9 or plan.num_prefill_tokens <= BLOCK_SIZE  # the floor
+        assert plan.num_attended_pairs == attended_pairs(position, plan.num_prefill_tokens) + sum(
+            s.position + 1 for s in plan.forward.sequences if s.seq_id != prompt.seq_id
+        )
+    assert chunks[0] > chunks[len(chunks) // 2] > chunks[-2] >= BLOCK_SIZE  # deeper chunks attend more
 
 
 def test_with_nothing_decoding_a_prompt_takes_the_whole_step() -> None:
@@ -126,18 +160,22 @@ def test_new_prompts_share_one_prefill_budget() -> None:
 
 
 class TimedRunner:
-    """A fake runner whose forward takes :func:`step_time_s` on the fake ``clock``."""
+    """A fake runner whose forward takes :func:`step_time_s` plus ``PAIR_S`` per attended pair on
+    the fake ``clock``."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.kv_cache = SimpleNamespace(num_blocks=256, block_size=BLOCK_SIZE)
         self.plans: list[tuple[int, int]] = []  # (decode tokens, prefill tokens) per forward
+        self.seconds: list[float] = []  # the time each forward took
 
     def run(self, batch: ForwardInput) -> ForwardOutput:
         num_decode = sum(1 for s in batch.sequences if len(s.token_ids) == 1)
         num_prefill = batch.num_tokens - num_decode
         self.plans.append((num_decode, num_prefill))
-        self.clock.advance(step_time_s(num_decode, num_prefill))
+        num_pairs = sum(attended_pairs(s.position, len(s.token_ids)) for s in batch.sequences)
+        self.seconds.append(step_time_s(num_decode, num_prefill) + PAIR_S * num_pairs)
+        self.clock.advance(self.seconds[-1])
         return ForwardOutput({s.seq_id: 7 for s in batch.sequences if s.do_sample})
 
 
@@ -175,14 +213,17 @@ def test_batcher_fits_its_steps_and_chunks_a_long_prompt_within_the_target() -> 
     before = len(runner.plans)
     tokens_before = [len(events_of(s)) for s in streams]
     run_until(batcher, lambda: events_of(long))
-    chunked = runner.plans[before:]
-    assert len(chunked) == math.ceil(600 / 32)
-    assert all(decode == 4 and step_time_s(decode, prefill) <= 0.050 + 1e-6 for decode, prefill in chunked)
-    assert [len(events_of(s)) - n for s, n in zip(streams, tokens_before)] == [len(chunked)] * 4  # a token every step
+    steps = runner.plans[before:]  # (the runner counts a last chunk of one token as a decode)
+    assert sum(decode + prefill for decode, prefill in steps) == 600 + 4 * len(steps)  # 4 decodes and a chunk each
+    assert math.ceil(600 / 32) < len(steps) <= math.ceil(600 / BLOCK_SIZE)  # deeper chunks are smaller
+    assert max(runner.seconds[before:]) <= 0.050 * 1.01  # within the target, give or take the fit
+    assert [len(events_of(s)) - n for s, n in zip(streams, tokens_before)] == [len(steps)] * 4  # a token every step
     stats = batcher.stats()
-    assert stats.step_time_prefill_token_ms == pytest.approx(1.0, rel=1e-3)
-    assert stats.step_time_decode_token_ms == pytest.approx(2.0, rel=1e-3)
-    assert stats.step_target_ms == 50.0 and stats.max_prefill_tokens == 32
+    assert stats.step_time_base_ms == pytest.approx(10.0, rel=0.01)
+    assert stats.step_time_decode_token_ms == pytest.approx(2.0, rel=0.01)
+    assert stats.step_time_prefill_token_ms == pytest.approx(1.0, rel=0.01)
+    assert stats.step_time_attended_pair_ns == pytest.approx(1000.0, rel=0.01)
+    assert stats.step_target_ms == 50.0 and 16 < stats.max_prefill_tokens < 32
     assert stats.step_time_samples > 0
 
 
@@ -193,7 +234,7 @@ def test_fixed_chunking_keeps_the_old_behaviour() -> None:
     batcher.submit(long)
     before = len(runner.plans)
     run_until(batcher, lambda: events_of(long))
-    assert runner.plans[before] == (4, 600)  # one whole prefill; the decodes waited 614 ms
+    assert runner.plans[before] == (4, 600)  # one whole prefill, which the decodes waited out
     assert batcher.stats().step_target_ms == 0.0
     assert batcher.stats().max_prefill_tokens == 1024
 
@@ -206,4 +247,4 @@ def test_switching_the_mode_at_run_time_keeps_the_fitted_model() -> None:
     batcher.submit(long)
     before = len(runner.plans)
     batcher.step()
-    assert runner.plans[before] == (4, 32)
+    assert runner.plans[before] == (4, 31)  # 32 ms of room: 31 tokens with their attention
