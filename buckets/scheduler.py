@@ -14,8 +14,9 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    most prefill tokens that keep the step within its time target (a :class:`PrefillBudget`,
    :class:`policies.step_time.StallFreeBudget`: Sarathi-Serve's stall-free batching; a chunk's
    cost grows with its position, as its attention does), never fewer than its floor; with
-   nothing decoding, or without a budget object, the whole ``max_num_batched_tokens``. A long prompt runs in chunks across steps, and the decodes beside
-   it wait one chunk, never the whole prefill;
+   nothing decoding, or without a budget object, the whole ``max_num_batched_tokens``. A long
+   prompt runs in chunks across steps, and the decodes beside it wait one chunk, never the
+   whole prefill;
 2. a sequence whose blocks run out preempts by recompute: the victim (lowest effective
    priority, latest arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes
    back to the waiting queue under its original arrival time (so near the front), to recompute
