@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 _NUM_COEFFICIENTS = 4  # base, per decode token, per prefill token, per attended pair
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+MIN_WEIGHT = 1e-3  # the least weight of a kept step, however old (see StepTimeModel)
 
 
 def attended_pairs(position: int, num_tokens: int) -> int:
@@ -187,22 +188,30 @@ def _median(values: list[float]) -> float:
 class StepTimeModel:
     """The step-time model of one bucket, refit online from the steps it is fed.
 
+    Steps with prefill tokens and decode-only steps are kept apart, ``window`` of each, so a
+    long run of decodes never forgets the prefill slope: old steps weigh little (never less
+    than ``MIN_WEIGHT``) in the base and decode terms, while the prefill terms come from the
+    steps with prefill alone.
+
     Args:
-        window: the most recent steps kept (older ones are forgotten entirely).
-        half_life_steps: a step's weight halves every this many newer steps.
+        window: the most recent steps kept of each kind (older ones are forgotten entirely).
+        half_life_steps: a step's weight halves every this many newer steps (of either kind).
         refit_every: refit after this many new steps (a fit costs O(window)).
         outlier_mads: see :func:`fit_step_time`.
     Raises:
         ValueError: a non-positive argument.
     """
 
-    def __init__(self, window: int = 128, half_life_steps: float = 32.0, refit_every: int = 8, outlier_mads: float = 4.0):
+    def __init__(self, window: int = 64, half_life_steps: float = 32.0, refit_every: int = 8, outlier_mads: float = 4.0):
         if window < 2 or half_life_steps <= 0 or refit_every < 1 or outlier_mads <= 0:
             raise ValueError(
                 f"window {window}, half_life_steps {half_life_steps}, refit_every {refit_every}, "
                 f"outlier_mads {outlier_mads}: need window >= 2 and the others positive"
             )
-        self._samples: collections.deque[StepTimeSample] = collections.deque(maxlen=window)
+        # (step number, sample), oldest first: decode-only steps, and steps with prefill.
+        self._decode_only: collections.deque[tuple[int, StepTimeSample]] = collections.deque(maxlen=window)
+        self._with_prefill: collections.deque[tuple[int, StepTimeSample]] = collections.deque(maxlen=window)
+        self._num_steps = 0
         self._decay = 0.5 ** (1.0 / half_life_steps)
         self._refit_every = refit_every
         self._outlier_mads = outlier_mads
@@ -213,16 +222,18 @@ class StepTimeModel:
         """Record one step (called by the batcher after each forward with its measured duration)."""
         if num_decode_tokens + num_prefill_tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
-        self._samples.append(StepTimeSample(num_decode_tokens, num_prefill_tokens, num_attended_pairs, seconds))
+        kept = self._with_prefill if num_prefill_tokens > 0 else self._decode_only
+        kept.append((self._num_steps, StepTimeSample(num_decode_tokens, num_prefill_tokens, num_attended_pairs, seconds)))
+        self._num_steps += 1
         self._num_new += 1
         if self._fit is None or self._num_new >= self._refit_every:
             self.refit()
 
     def refit(self) -> None:
         """Fit the kept steps now."""
-        num = len(self._samples)
-        weights = [self._decay ** (num - 1 - i) for i in range(num)]
-        self._fit = fit_step_time(list(self._samples), weights, self._outlier_mads)
+        kept = [*self._decode_only, *self._with_prefill]
+        weights = [max(MIN_WEIGHT, self._decay ** (self._num_steps - 1 - step_no)) for step_no, _ in kept]
+        self._fit = fit_step_time([sample for _, sample in kept], weights, self._outlier_mads)
         self._num_new = 0
 
     @property
