@@ -244,7 +244,8 @@ def format_table(steps: Sequence[dict[str, Any]], load_name: str, knee: int | No
     """The summary table: one row per step; the knee's row is marked with ``<- knee``."""
     header = (
         f"{load_name:>11} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'p95':>8} {'p99':>8} "
-        f"{'TPOT p50':>9} {'p95':>7} {'ITL p95':>8} {'E2E p95':>8} {'err':>4} {'429':>4} {'good/s':>7} {'queue':>6}"
+        f"{'TPOT p50':>9} {'p95':>7} {'ITL p50':>8} {'p95':>7} {'p99':>7} {'E2E p95':>8} {'err':>4} {'429':>4} "
+        f"{'good/s':>7} {'queue':>6}"
     )
     lines = [header, "-" * len(header)]
     for i, s in enumerate(steps):
@@ -253,7 +254,8 @@ def format_table(steps: Sequence[dict[str, Any]], load_name: str, knee: int | No
         lines.append(
             f"{_fmt_load(s['load']):>11} {s['requests_per_s']:>7.2f} {s['output_tokens_per_s']:>8.1f} "
             f"{_cell(s['ttft_ms'], 'p50'):>9} {_cell(s['ttft_ms'], 'p95'):>8} {_cell(s['ttft_ms'], 'p99'):>8} "
-            f"{_cell(s['tpot_ms'], 'p50'):>9} {_cell(s['tpot_ms'], 'p95'):>7} {_cell(s['itl_ms'], 'p95'):>8} "
+            f"{_cell(s['tpot_ms'], 'p50'):>9} {_cell(s['tpot_ms'], 'p95'):>7} {_cell(s['itl_ms'], 'p50'):>8} "
+            f"{_cell(s['itl_ms'], 'p95'):>7} {_cell(s['itl_ms'], 'p99'):>7} "
             f"{_cell(s['e2e_ms'], 'p95'):>8} {s['num_errors']:>4} {s['num_429']:>4} {good:>7} {queue:>6}"
             + ("  <- knee" if i == knee else "")
         )

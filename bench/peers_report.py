@@ -3,8 +3,10 @@ the plots.
 
 Everything here but :func:`write_plots` is pure. A system's record is ``{"status": "ok" |
 "failed", "error", "version", "startup_s", "steps"}``, each step ``{"concurrency",
-"output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
-"num_completed", "num_errors", "error_samples"}`` (milliseconds, tokens per second). A ratio is
+"output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50",
+"itl_ms_p99", "num_completed", "num_errors", "error_samples"}`` (milliseconds, tokens per second;
+ITL: the gaps between a stream's chunks, over every stream; absent in records from before it was
+measured). A ratio is
 ``None`` when either side has no figure (a failed peer, a step with no completed request).
 """
 
@@ -29,7 +31,7 @@ class SystemStatus(str, Enum):
 
 def step_record(load_step: dict[str, Any]) -> dict[str, Any]:
     """One step of a system's record from a ``sluice bench load`` step (``load_report.step_stats``)."""
-    ttft, tpot = load_step["ttft_ms"] or {}, load_step["tpot_ms"] or {}
+    ttft, tpot, itl = load_step["ttft_ms"] or {}, load_step["tpot_ms"] or {}, load_step.get("itl_ms") or {}
     return {
         "concurrency": int(load_step["load"]),
         "output_tokens_per_s": load_step["output_tokens_per_s"],
@@ -37,6 +39,8 @@ def step_record(load_step: dict[str, Any]) -> dict[str, Any]:
         "ttft_ms_p99": ttft.get("p99"),
         "tpot_ms_p50": tpot.get("p50"),
         "tpot_ms_p99": tpot.get("p99"),
+        "itl_ms_p50": itl.get("p50"),
+        "itl_ms_p99": itl.get("p99"),
         "num_completed": load_step["num_completed"],
         "num_errors": load_step["num_errors"],
         "error_samples": load_step["error_samples"],
@@ -90,8 +94,9 @@ def ratio_table(systems: dict[str, dict[str, Any]], concurrencies: list[int]) ->
 
 
 def headline_ratios(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets: Sluice's c1 TPOT p50 over llama-server's, and Sluice's output tokens/s
-    over the best peer's at concurrency 16 and 32 (with that peer's name)."""
+    """The issue's targets: Sluice's c1 TPOT p50 over llama-server's, Sluice's output tokens/s
+    over the best peer's at concurrency 16 and 32 (with that peer's name), and Sluice's ITL p99 over
+    its ITL p50 at concurrency 4 and 16 (how far its streams stall)."""
     sluice = systems.get(SLUICE)
     ratios: dict[str, Any] = {
         "c1_tpot_p50_sluice_over_llama_server": _ratio(
@@ -103,6 +108,8 @@ def headline_ratios(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
         peer_tps = None if peer is None else figure(systems[peer], c, "output_tokens_per_s")
         ratios[f"c{c}_output_tps_sluice_over_best_peer"] = _ratio(figure(sluice, c, "output_tokens_per_s"), peer_tps)
         ratios[f"c{c}_best_peer"] = peer
+    for c in (4, 16):
+        ratios[f"c{c}_itl_p99_over_p50"] = _ratio(figure(sluice, c, "itl_ms_p99"), figure(sluice, c, "itl_ms_p50"))
     return ratios
 
 
@@ -125,20 +132,21 @@ def format_readme(results: dict[str, Any]) -> str:
         f"end-of-sequence ignored, seed {work['seed']}, {work['step_duration_s']:g} s per step. "
         "All figures in `results.json`.",
         "",
-        "| system | concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | done | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| system | concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
+        "| ITL p50 ms | ITL p99 ms | done | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, rec in results["systems"].items():
         if rec["status"] != SystemStatus.OK.value:
-            lines.append(f"| {name} | - | failed | - | - | - | - | - | - |")
+            lines.append(f"| {name} | - | failed | - | - | - | - | - | - | - | - |")
             continue
         for s in rec["steps"]:
             lines.append(
                 f"| {name} | {s['concurrency']} | {_cell(s['output_tokens_per_s'])} | {_cell(s['ttft_ms_p50'])} | "
                 f"{_cell(s['ttft_ms_p99'])} | {_cell(s['tpot_ms_p50'])} | {_cell(s['tpot_ms_p99'])} | "
-                f"{s['num_completed']} | {s['num_errors']} |"
+                f"{_cell(s.get('itl_ms_p50'))} | {_cell(s.get('itl_ms_p99'))} | {s['num_completed']} | {s['num_errors']} |"
             )
-    lines += ["", "Ratios (targets: c1 TPOT ≤ 1.0, c16 and c32 tokens/s ≥ 1.5):", ""]
+    lines += ["", "Ratios (targets: c1 TPOT ≤ 1.0, c16 and c32 tokens/s ≥ 1.5, c4 and c16 ITL p99/p50 ≤ 3):", ""]
     lines += [f"- `{k}`: {_cell(v, 2) if isinstance(v, float) else v}" for k, v in results["ratios"].items()]
     failed = [(n, r) for n, r in results["systems"].items() if r["status"] != SystemStatus.OK.value]
     for name, rec in failed:

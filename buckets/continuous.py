@@ -23,9 +23,10 @@ from buckets.runner import ModelRunner
 from buckets.scheduler import Scheduler
 from buckets.sequence import FinishReason, Sequence
 from buckets.settings import ContinuousBatcherSettings
-from buckets.stats import BatchObserver, BucketStats, Counters
+from buckets.stats import BatchObserver, BucketStats, Counters, step_time_stats
 from models.step_io import ForwardInput
 from policies.priority import effective_priority
+from policies.step_time import StallFreeBudget
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +37,9 @@ class ContinuousBatcher:
     Args:
         runner: the model runner (for example :class:`models.causal_lm.CausalLMRunner`); its
             ``kv_cache`` (``num_blocks``, ``block_size``) sizes the block manager.
-        settings: ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, prefix caching.
+        settings: ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, prefix caching,
+            chunked prefill. Each forward's duration (on ``clock``) feeds :attr:`step_budget`'s
+            step-time model, which sets the prefill budget of later steps (``stall_free``).
         tokenizer: a Hugging Face tokenizer; detokenizes outputs (``decode``).
         eos_token_ids: tokens that end a sequence with ``finish_reason="stop"``.
         clock: seconds, monotonic.
@@ -60,7 +63,8 @@ class ContinuousBatcher:
         self.runner = runner
         self.settings = settings
         self.block_manager = BlockManager(runner.kv_cache.num_blocks, settings.block_size, settings.enable_prefix_caching)
-        self.scheduler = Scheduler(settings, self.block_manager, clock)
+        self.step_budget = StallFreeBudget(settings.tpot_target_s, settings.block_size)
+        self.scheduler = Scheduler(settings, self.block_manager, clock, self._prefill_budget(settings))
         self.output = OutputProcessor(self.scheduler, tokenizer, clock)
         self.clock = clock
         self._eos_token_ids = eos_token_ids
@@ -102,6 +106,7 @@ class ContinuousBatcher:
         if settings is not None:
             self.settings = settings
             self.scheduler.update_settings(settings)
+            self.scheduler.prefill_budget = self._prefill_budget(settings)
         self._take_inbox()
         self._count(self.output.process(self.scheduler.drop_ended(self.clock())))
         plan = self.scheduler.schedule()
@@ -109,6 +114,7 @@ class ContinuousBatcher:
             return
         self.output.record_plan(plan)
         planned = time.perf_counter()
+        started_s = self.clock()
         try:
             output = self.runner.run(plan.forward)
         except Exception as exc:  # a failed forward fails its requests, never the loop
@@ -117,6 +123,9 @@ class ContinuousBatcher:
             return
         ran = time.perf_counter()
         if plan.scheduled:
+            self.step_budget.observe(
+                plan.num_decode_tokens, plan.num_prefill_tokens, plan.num_attended_pairs, self.clock() - started_s
+            )
             self._counters.record_batch(len(plan.scheduled), plan.forward.num_tokens)
         result = self.scheduler.postprocess(plan, output)
         postprocessed = time.perf_counter()
@@ -149,7 +158,16 @@ class ContinuousBatcher:
             num_preemptions=self.scheduler.counters.num_preemptions,
             num_chunked_prefills=self.scheduler.counters.num_chunked_prefills,
             step_detokenize_s=self.output.detokenize_s,
+            **step_time_stats(self.step_budget, self.scheduler.max_prefill_tokens),
         )
+
+    def _prefill_budget(self, settings: ContinuousBatcherSettings) -> StallFreeBudget | None:
+        """The scheduler's prefill budget under ``settings`` (the step-time model carries over)."""
+        self.step_budget.target_step_s = settings.tpot_target_s
+        if settings.chunked_prefill == "fixed":
+            self.step_budget.last_target_s = None
+            return None
+        return self.step_budget
 
     def shutdown(self) -> None:
         self._take_inbox()

@@ -10,14 +10,20 @@ they never touch tensors, text, events or admission tickets.
 Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 
 1. running sequences that decode get their one token first, then running sequences still in
-   prefill get their next chunk, so a long prompt never stalls the decodes beside it;
+   prefill get their next chunk, within the step's prefill room: with decodes running, the
+   most prefill tokens that keep the step within its time target (a :class:`PrefillBudget`,
+   :class:`policies.step_time.StallFreeBudget`: Sarathi-Serve's stall-free batching; a chunk's
+   cost grows with its position, as its attention does), never fewer than its floor; with
+   nothing decoding, or without a budget object, the whole ``max_num_batched_tokens``. A long
+   prompt runs in chunks across steps, and the decodes beside it wait one chunk, never the
+   whole prefill;
 2. a sequence whose blocks run out preempts by recompute: the victim (lowest effective
    priority, latest arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes
    back to the waiting queue under its original arrival time (so near the front), to recompute
    its prompt and outputs when it resumes;
 3. if nothing was preempted, waiting sequences join in order of effective priority with aging
    (:class:`policies.priority.AgingPriorityQueue`) while blocks and budget allow, reusing
-   prefix-cached blocks; a prompt longer than the budget left runs as a first chunk.
+   prefix-cached blocks; a prompt longer than the (prefill) budget left runs as a first chunk.
 
 A request with ``n`` choices is queued as its choice 0 holding the others as pending forks, and
 takes room for all ``n`` in ``max_num_seqs`` when it joins (or the whole room when nothing else
@@ -33,6 +39,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from buckets.block_manager import BlockManager
 from buckets.errors import KVCapacityError
@@ -42,6 +49,7 @@ from models.step_io import ForwardInput, ForwardOutput, SequenceInput, TokenLogp
 from policies.deadlines import is_expired
 from policies.preemption import pick_victim
 from policies.priority import AgingPriorityQueue, priority_key
+from policies.step_time import PrefillRoom, attended_pairs
 
 
 @dataclass(frozen=True)
@@ -53,12 +61,25 @@ class StepPlan:
         forward: the runner's input: packed sequences and ids released since the last step.
         scheduled: the sequences in ``forward.sequences``, same order.
         num_preempted: sequences preempted while planning this step.
+        num_decode_tokens: tokens of sequences that decode (one each); the rest of
+            ``forward.num_tokens`` are prefill tokens (prompts, or recomputed outputs).
+        num_attended_pairs: the (query, key) pairs the step's attention covers
+            (:func:`policies.step_time.attended_pairs` summed over the sequences).
+        max_prefill_tokens: the prefill tokens this step had room for at its start, counted as
+            one chunk at position 0 (a deeper chunk attends more, so gets fewer).
     """
 
     step_id: int
     forward: ForwardInput
     scheduled: list[Sequence] = field(default_factory=list)
     num_preempted: int = 0
+    num_decode_tokens: int = 0
+    num_attended_pairs: int = 0
+    max_prefill_tokens: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.forward.num_tokens - self.num_decode_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -87,6 +108,39 @@ class StepResult:
     prompt_logprobs: Mapping[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
+class PrefillBudget(Protocol):
+    """How much prefill a step may take beside its decodes (the step-time policy)."""
+
+    def open_step(self, num_decode_tokens: int, num_attended_pairs: int, max_tokens: int) -> PrefillRoom:
+        """The prefill room of a step with ``num_decode_tokens`` decodes attending
+        ``num_attended_pairs`` (query, key) pairs and ``max_tokens`` of its cap left after them.
+        Called by :meth:`Scheduler.schedule` once per step; the budget measures nothing itself."""
+
+
+@dataclass
+class _StepBudget:
+    """The tokens one step still has room for: in all (``max_num_batched_tokens``) and, by
+    position, for prefill chunks (``prefill``)."""
+
+    num_tokens: int
+    prefill: PrefillRoom
+
+    @property
+    def has_prefill_room(self) -> bool:
+        return self.num_tokens > 0 and self.prefill.num_tokens_left > 0
+
+    def room(self, seq: Sequence, position: int, is_prefill: bool) -> int:
+        """The tokens ``seq``, computing from ``position``, may take now."""
+        wanted = min(seq.num_tokens - position, self.num_tokens)
+        return self.prefill.tokens_for(position, wanted) if is_prefill else wanted
+
+    def take(self, position: int, num_tokens: int, is_prefill: bool) -> None:
+        """Spend ``num_tokens`` from ``position`` (negative: give them back, for a preempted sequence)."""
+        self.num_tokens -= num_tokens
+        if is_prefill:
+            self.prefill.take(position, num_tokens)
+
+
 @dataclass
 class SchedulerCounters:
     """Totals since start: preemptions and prefill chunks that left part of a prompt for later."""
@@ -103,12 +157,22 @@ class Scheduler:
         block_manager: the bucket's KV block bookkeeping.
         clock: returns seconds (monotonic); the arrival time of a sequence queued without an
             ``enqueued`` stamp.
+        prefill_budget: the step's prefill token budget beside running decodes; ``None``: the
+            whole ``max_num_batched_tokens`` (fixed chunking).
     """
 
-    def __init__(self, settings: ContinuousBatcherSettings, block_manager: BlockManager, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        settings: ContinuousBatcherSettings,
+        block_manager: BlockManager,
+        clock: Callable[[], float],
+        prefill_budget: PrefillBudget | None = None,
+    ) -> None:
         self.settings = settings
         self.block_manager = block_manager
         self.clock = clock
+        self.prefill_budget = prefill_budget
+        self.max_prefill_tokens = settings.max_num_batched_tokens  # the last plan's prefill budget
         self.waiting: AgingPriorityQueue[Sequence] = AgingPriorityQueue(settings.priority_aging_s)
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id
@@ -174,32 +238,54 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Plan the next step (decodes, then prefill chunks, then new sequences)."""
-        budget = self.settings.max_num_batched_tokens
+        budget = self._step_budget()
+        self.max_prefill_tokens = budget.prefill.tokens_for(0, budget.num_tokens)
         scheduled: dict[int, tuple[Sequence, int]] = {}
         num_preempted = self._schedule_running(scheduled, budget)
-        budget -= sum(n for _, n in scheduled.values())
         if not num_preempted:
             self._schedule_waiting(scheduled, budget)
         seqs = [seq for seq, _ in scheduled.values()]
         inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
+        num_decode_tokens = sum(1 for seq, _ in scheduled.values() if not self._is_prefill(seq))
+        num_pairs = sum(attended_pairs(seq.num_computed_tokens, n) for seq, n in scheduled.values())
         forward = ForwardInput(inputs, self.take_released(), self._block_copies)
         self._block_copies = []
-        return StepPlan(step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted)
+        return StepPlan(
+            step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted,
+            num_decode_tokens=num_decode_tokens, num_attended_pairs=num_pairs, max_prefill_tokens=self.max_prefill_tokens,
+        )
 
-    def _schedule_running(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> int:
+    def _step_budget(self) -> _StepBudget:
+        """This step's room: ``max_num_batched_tokens`` in all, and for prefill what the budget
+        policy allows beside the running decodes (counted before any preemption, so a step that
+        preempts a decode stays within its target)."""
+        max_tokens = self.settings.max_num_batched_tokens
+        decodes = [seq for seq in self.running if not self._is_prefill(seq)][:max_tokens]
+        if self.prefill_budget is None:
+            return _StepBudget(max_tokens, PrefillRoom(None, None, max_tokens, 0))
+        num_pairs = sum(seq.num_computed_tokens + 1 for seq in decodes)
+        return _StepBudget(max_tokens, self.prefill_budget.open_step(len(decodes), num_pairs, max_tokens - len(decodes)))
+
+    @staticmethod
+    def _is_prefill(seq: Sequence) -> bool:
+        """Whether ``seq``'s next tokens are a prefill chunk (its prompt, or outputs it recomputes)."""
+        return seq.num_uncomputed_tokens > 1
+
+    def _schedule_running(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget) -> int:
         """Give running sequences their tokens, decodes first; preempt when blocks run out.
         Returns how many sequences were preempted."""
         num_preempted = 0
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+        for seq in sorted(self.running, key=self._is_prefill):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            is_prefill = self._is_prefill(seq)
+            num_tokens = budget.room(seq, seq.num_computed_tokens, is_prefill)
             if num_tokens == 0:
                 break
             while not self.block_manager.can_append(seq.seq_id, seq.num_computed_tokens + num_tokens):
                 victim = self._pick_victim()
                 if victim.seq_id in scheduled:
-                    budget += scheduled.pop(victim.seq_id)[1]
+                    budget.take(victim.num_computed_tokens, -scheduled.pop(victim.seq_id)[1], self._is_prefill(victim))
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -207,17 +293,17 @@ class Scheduler:
             else:
                 self.block_manager.append(seq.seq_id, seq.num_computed_tokens + num_tokens)
                 scheduled[seq.seq_id] = (seq, num_tokens)
-                budget -= num_tokens
+                budget.take(seq.num_computed_tokens, num_tokens, is_prefill)
         return num_preempted
 
-    def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: int) -> None:
+    def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget) -> None:
         """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow."""
         if not self.waiting:
             return
         manager = self.block_manager
         # Seats taken: running sequences and the pending forks of those still prefilling.
         num_seats = len(self.running) + sum(len(s.forks) for s in self.running)
-        while self.waiting and budget > 0 and num_seats < self.settings.max_num_seqs:
+        while self.waiting and budget.has_prefill_room and num_seats < self.settings.max_num_seqs:
             seq = self.waiting.peek()
             if num_seats and num_seats + 1 + len(seq.forks) > self.settings.max_num_seqs:
                 break  # room for every choice of the request, or the whole room
@@ -226,8 +312,8 @@ class Scheduler:
             # such a sequence skips the lookup and computes its whole prompt.
             hashes = [] if seq.request.needs_prompt_logprobs else seq.block_hashes
             num_cached = manager.num_cached_prefix_tokens(hashes, num_known)
-            num_tokens = min(num_known - num_cached, budget)
-            if not manager.can_allocate(hashes, num_known, num_cached + num_tokens):
+            num_tokens = budget.room(seq, num_cached, True)
+            if num_tokens == 0 or not manager.can_allocate(hashes, num_known, num_cached + num_tokens):
                 break
             seq.num_computed_tokens = manager.allocate(seq.seq_id, hashes, num_known, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
@@ -236,7 +322,7 @@ class Scheduler:
             self.running.append(seq)
             num_seats += 1 + len(seq.forks)
             scheduled[seq.seq_id] = (seq, num_tokens)
-            budget -= num_tokens
+            budget.take(num_cached, num_tokens, True)
 
     def _pick_victim(self) -> Sequence:
         aging_s = self.settings.priority_aging_s

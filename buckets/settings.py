@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,21 @@ class ContinuousBatcherSettings:
     running sequences and ``max_num_batched_tokens`` tokens (prefill + decode) in one forward;
     KV in blocks of ``block_size`` tokens, full blocks shared between prompts with a common
     prefix when ``enable_prefix_caching``. Waiting requests are served by effective priority,
-    ``priority - waited_s / priority_aging_s`` (see :mod:`policies.priority`)."""
+    ``priority - waited_s / priority_aging_s`` (see :mod:`policies.priority`).
+
+    ``chunked_prefill``: ``stall_free`` gives a step with decodes running only the prefill tokens
+    that keep it within ``tpot_target_ms`` (``None``: twice the measured decode-only step), from
+    a step-time model fit online (:mod:`policies.step_time`), never fewer than ``block_size``;
+    ``fixed`` lets prefill fill ``max_num_batched_tokens``."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int = 16
     enable_prefix_caching: bool = True
     priority_aging_s: float = 10.0
+    chunked_prefill: Literal["stall_free", "fixed"] = "stall_free"
+    tpot_target_ms: float | None = None
+
+    @property
+    def tpot_target_s(self) -> float | None:
+        return None if self.tpot_target_ms is None else self.tpot_target_ms / 1000.0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from buckets.request import Request
+from policies.step_time import StallFreeBudget
 
 # Called by the worker after every forward with (sequences, tokens, padding tokens); must not block.
 BatchObserver = Callable[[int, int, int], None]
@@ -28,7 +29,11 @@ class BucketStats:
     Continuous batchers also report their KV pool (``kv_blocks_used`` of ``kv_blocks_total``,
     blocks of ``kv_block_size`` tokens, ``kv_blocks_evictable`` of the free ones still holding
     prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions, and prefill
-    chunks that left part of a prompt for a later step. ``num_timed_out`` counts requests
+    chunks that left part of a prompt for a later step, and their step-time model
+    (:mod:`policies.step_time`): ``step_time_base_ms + step_time_decode_token_ms * decodes +
+    step_time_prefill_token_ms * prefill tokens + step_time_attended_pair_ns / 1e6 * attended
+    (query, key) pairs`` fit over ``step_time_samples`` steps (0 before a fit), the step-time target of the last step ``step_target_ms`` (0: none yet, or fixed
+    chunking) and its prefill room ``max_prefill_tokens`` (as one chunk at position 0). ``num_timed_out`` counts requests
     dropped because their deadline passed (queued or running). ``num_rejected`` counts requests the
     bucket refused because its queue was full (filled in by the bucket, not the batcher).
 
@@ -68,6 +73,13 @@ class BucketStats:
     step_postprocess_s: float = 0.0
     step_output_s: float = 0.0
     step_detokenize_s: float = 0.0
+    step_time_base_ms: float = 0.0
+    step_time_decode_token_ms: float = 0.0
+    step_time_prefill_token_ms: float = 0.0
+    step_time_attended_pair_ns: float = 0.0
+    step_time_samples: int = 0
+    step_target_ms: float = 0.0
+    max_prefill_tokens: int = 0
 
     @property
     def mean_batch_seqs(self) -> float:
@@ -91,11 +103,17 @@ class BucketStats:
 # The phases of a continuous step, each a BucketStats field ``step_<phase>_s`` (detokenize is part of output).
 STEP_PHASES = ("schedule", "forward", "sampling", "postprocess", "output", "detokenize")
 
-# The BucketStats fields that describe the current build only: its queue and its KV pool. Every
-# other field counts since the bucket key first served.
+# Its step-time model's figures (a gauge each, not a count).
+STEP_TIME_FIELDS = frozenset({
+    "step_time_base_ms", "step_time_decode_token_ms", "step_time_prefill_token_ms", "step_time_attended_pair_ns",
+    "step_time_samples",
+    "step_target_ms", "max_prefill_tokens",
+})
+# The BucketStats fields that describe the current build only: its queue, its KV pool and its
+# step-time model. Every other field counts since the bucket key first served.
 PER_BUILD_FIELDS = frozenset({
     "kind", "num_waiting", "num_running", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_evictable",
-})
+}) | STEP_TIME_FIELDS
 # Cumulative fields that keep the largest value of the builds rather than their sum.
 MAX_FIELDS = frozenset({"max_batch_seqs"})
 
@@ -163,3 +181,18 @@ class Counters:
         """A frozen copy of the counters plus the queue state (and ``extra`` :class:`BucketStats` fields)."""
         counts = {k: v for k, v in self.__dict__.items() if k != "observers"}
         return BucketStats(kind=kind, num_waiting=num_waiting, num_running=num_running, **counts, **extra)
+
+
+def step_time_stats(budget: StallFreeBudget, max_prefill_tokens: int) -> dict[str, Any]:
+    """The :data:`STEP_TIME_FIELDS` of a continuous batcher's :class:`BucketStats`."""
+    fit = budget.model.fit
+    target_s = budget.last_target_s
+    return {
+        "step_time_base_ms": fit.base_s * 1000 if fit else 0.0,
+        "step_time_decode_token_ms": fit.per_decode_token_s * 1000 if fit else 0.0,
+        "step_time_prefill_token_ms": fit.per_prefill_token_s * 1000 if fit else 0.0,
+        "step_time_attended_pair_ns": fit.per_attended_pair_s * 1e9 if fit else 0.0,
+        "step_time_samples": fit.num_samples if fit else 0,
+        "step_target_ms": target_s * 1000 if target_s is not None else 0.0,
+        "max_prefill_tokens": max_prefill_tokens,
+    }

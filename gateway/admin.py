@@ -23,7 +23,7 @@ import hmac
 import ipaddress
 import os
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import yaml
@@ -367,6 +367,8 @@ class BucketPatch(BaseModel):
     max_queue_delay_ms: float | None = Field(default=None, ge=0)
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    chunked_prefill: Literal["stall_free", "fixed"] | None = None
+    tpot_target_ms: float | None = Field(default=None, gt=0, le=60_000)  # null: back to the default target
     priority_aging_s: float | None = Field(default=None, gt=0)
     max_queue_len: int | None = Field(default=None, ge=1)
     max_queued_tokens: int | None = Field(default=None, ge=1)

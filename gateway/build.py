@@ -122,7 +122,7 @@ def ray_placement(config: SliceConfig, ray: RayConfig | None) -> RayPlacement | 
 def continuous_settings(config: ContinuousBatcherConfig) -> ContinuousBatcherSettings:
     return ContinuousBatcherSettings(
         config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
-        config.priority_aging_s,
+        config.priority_aging_s, config.chunked_prefill, config.tpot_target_ms,
     )
 
 

@@ -100,6 +100,12 @@ class ContinuousBatcherConfig(_Strict):
     block_size: int = Field(default=16, ge=1, le=1024)
     priority_aging_s: float = Field(default=10.0, gt=0, le=86_400)
     enable_prefix_caching: bool = True
+    # Stall-free chunked prefill (Sarathi-Serve): with decodes running, a step takes only the
+    # prefill tokens that keep it within tpot_target_ms (None: twice the measured decode-only
+    # step), from a step-time model fit online; fixed: prefill fills max_num_batched_tokens.
+    # The per-step target, apart from slo.tpot_p95_ms (which drives the max_num_seqs tuner).
+    chunked_prefill: Literal["stall_free", "fixed"] = "stall_free"
+    tpot_target_ms: float | None = Field(default=None, gt=0, le=60_000)
     # This bucket's KV pool: explicit bytes, or a fraction of its slice's kv_cache_memory_bytes;
     # neither: an equal share of what the slice's other buckets leave.
     kv_cache_memory_bytes: ByteSize | None = Field(default=None, gt=0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from buckets.block_manager import BlockManager
 from buckets.request import EmbeddingRequest, GenerationRequest, RequestEvent
-from buckets.scheduler import Scheduler
+from buckets.scheduler import PrefillBudget, Scheduler
 from buckets.sequence import Sequence
 from buckets.settings import ContinuousBatcherSettings
 
@@ -115,8 +115,11 @@ def make_scheduler(
     block_size: int = 4,
     enable_prefix_caching: bool = True,
     clock: FakeClock | None = None,
+    prefill_budget: PrefillBudget | None = None,
 ) -> Scheduler:
     """A real :class:`Scheduler` over a real :class:`BlockManager` of ``num_blocks`` blocks of
-    ``block_size`` tokens, on ``clock`` (a fresh :class:`FakeClock` at 0 s by default)."""
+    ``block_size`` tokens, on ``clock`` (a fresh :class:`FakeClock` at 0 s by default), with
+    ``prefill_budget`` (none: prefill fills ``max_num_batched_tokens``)."""
     settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching)
-    return Scheduler(settings, BlockManager(num_blocks, block_size, enable_prefix_caching), clock or FakeClock())
+    manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(settings, manager, clock or FakeClock(), prefill_budget)

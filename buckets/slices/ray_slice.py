@@ -45,10 +45,10 @@ from buckets.slices.ray_channels import actor_name, config_fingerprint
 from buckets.slices.remote import InFlight
 from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState
 from buckets.slices.worker import WorkerProcess
-from buckets.stats import BatchObserver, BucketStats
+from buckets.stats import STEP_TIME_FIELDS, BatchObserver, BucketStats
 from policies.replica_routing import ReplicaLoad, ReplicaRouter
 
-MAX_STATS_FIELDS = frozenset({"max_batch_seqs", "kv_block_size"})  # the replicas' largest, not their sum
+MAX_STATS_FIELDS = frozenset({"max_batch_seqs", "kv_block_size"}) | STEP_TIME_FIELDS  # the replicas' largest, not their sum
 
 
 class RayReplica(ProcessSlice):

@@ -77,6 +77,7 @@ def run_batcher(
     max_num_batched_tokens: int = 2048,
     cancel_after_steps: dict[int, int] | None = None,
     max_new_tokens: int = MAX_NEW_TOKENS,
+    tpot_target_ms: float | None = None,
 ) -> Run:
     """All ``prompts`` submitted at once; step until every request ended. ``cancel_after_steps``
     maps a request index to the step after which its client goes away."""
@@ -86,7 +87,7 @@ def run_batcher(
     from models.causal_lm import CausalLMRunner
     from models.step_io import SamplingParams
 
-    settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, BLOCK_SIZE)
+    settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, BLOCK_SIZE, tpot_target_ms=tpot_target_ms)
     runner = CausalLMRunner(loaded.model, num_blocks, BLOCK_SIZE)
     batcher = ContinuousBatcher(runner, settings, loaded.tokenizer, loaded.eos_token_ids)
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -167,6 +168,22 @@ def test_small_step_budget_chunks_prefills_and_still_matches_hf(sluice_model, hf
     assert run.stats.num_chunked_prefills > 0
     assert run.stats.num_batched_tokens / run.stats.num_steps <= 64
     assert_outputs_match(hf_causal_lm, prompts, references, run)
+    assert_pool_whole(run)
+
+
+def test_stall_free_chunks_beside_decodes_still_match_hf(sluice_model, hf_causal_lm, prompts, references) -> None:  # type: ignore[no-untyped-def]
+    # A target no step can meet: beside running decodes a step takes the floor of one block of
+    # prefill, so the prompts that did not fit the first step start in 16-token chunks.
+    indices = list(range(0, NUM_REQUESTS, 4)) + [NUM_REQUESTS - 1]  # 17 prompts, the 1,024-token one last
+    subset = [prompts[i] for i in indices]
+    run = run_batcher(
+        sluice_model, subset, num_blocks=roomy_num_blocks(subset), max_num_batched_tokens=512, tpot_target_ms=0.001
+    )
+    assert run.stats.num_chunked_prefills > 1024 // 512
+    assert run.stats.step_time_samples > 0 and run.stats.step_time_prefill_token_ms > 0
+    model, _ = hf_causal_lm
+    for prompt, got, i in zip(subset, run.outputs, indices):
+        assert_greedy_close(model, prompt, got, references[i])
     assert_pool_whole(run)
 
 

