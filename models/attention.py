@@ -116,8 +116,13 @@ def attend_packed(step: PackedStep, layer: int, query: torch.Tensor, key: torch.
         ``[T, num_heads, head_dim]``, the dtype of ``query``.
     """
     step.kv_cache.write(layer, step.slot_mapping, key, value)
-    out = query.new_empty(query.shape)
     num_decode = step.num_decode_tokens
+    if not step.prefills:  # decodes only: the kernel's output is the whole answer
+        return paged_decode_attention(
+            query.contiguous(), step.kv_cache.key_cache(layer), step.kv_cache.value_cache(layer), step.block_tables,
+            step.context_lens, scale, step.kv_cache.key_scales(layer), step.kv_cache.value_scales(layer),
+        )
+    out = query.new_empty(query.shape)
     if num_decode:
         out[:num_decode] = paged_decode_attention(
             query[:num_decode].contiguous(),

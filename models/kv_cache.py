@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from models.paged_attention import write_kv_rows
+
 log = structlog.get_logger(__name__)
 
 SCALE_DTYPE = torch.float32
@@ -176,6 +178,13 @@ class PagedKVCache:
         # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]: slots in one flat dim.
         self._slots = self.data.view(shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
         self._scale_slots = None if self.scales is None else self.scales.view(*self._slots.shape[:-1])
+        # Each layer's views, made once: a decode step asks for them in every layer.
+        self._layer_caches = [(self.data[layer, 0], self.data[layer, 1]) for layer in range(shape.num_layers)]
+        self._layer_slots = [(self._slots[layer, 0], self._slots[layer, 1]) for layer in range(shape.num_layers)]
+        self._layer_scales = [
+            (None, None) if self.scales is None else (self.scales[layer, 0], self.scales[layer, 1])
+            for layer in range(shape.num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -189,27 +198,27 @@ class PagedKVCache:
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, num_kv_heads, head_dim]`` K of ``layer`` (a view)."""
-        return self.data[layer, 0]
+        return self._layer_caches[layer][0]
 
     def value_cache(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, num_kv_heads, head_dim]`` V of ``layer`` (a view)."""
-        return self.data[layer, 1]
+        return self._layer_caches[layer][1]
 
     def key_scales(self, layer: int) -> torch.Tensor | None:
         """``[num_blocks, block_size, num_kv_heads]`` float32 scales of ``layer``'s K (a view); None unless int8."""
-        return None if self.scales is None else self.scales[layer, 0]
+        return self._layer_scales[layer][0]
 
     def value_scales(self, layer: int) -> torch.Tensor | None:
         """``[num_blocks, block_size, num_kv_heads]`` float32 scales of ``layer``'s V (a view); None unless int8."""
-        return None if self.scales is None else self.scales[layer, 1]
+        return self._layer_scales[layer][1]
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new tokens' K and V: ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at flat
         ``slots`` ``[T]`` (int64), converted to the pool's dtype (quantized with their scales for
         int8). One copy per tensor for the whole step."""
         if self._scale_slots is None:
-            self._slots[layer, 0].index_copy_(0, slots, key.to(self.dtype))
-            self._slots[layer, 1].index_copy_(0, slots, value.to(self.dtype))
+            key_slots, value_slots = self._layer_slots[layer]
+            write_kv_rows(key_slots, value_slots, slots, key.to(self.dtype), value.to(self.dtype))
             return
         for index, rows in enumerate((key, value)):
             quantized, scales = quantize_rows(rows)

@@ -7,8 +7,9 @@ runs the same weights as a flat loop over plain tensors, in the manner of nano-v
 gate/up product (weights concatenated once at load, as nano-vllm's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear``), RMSNorm in one C++ call each (:mod:`models.quant_kernels`,
 the second with the residual add before it; torch's ``F.rms_norm``, six ops on CPU, where the
-kernel is unavailable), RoPE applied to Q and K together in three ops with the cos/sin the
-model's own rotary module computes once per step, SiLU-mul, and the packed paged attention
+kernel is unavailable), RoPE applied to Q and K together in place in one C++ call
+(:func:`models.paged_attention.rope_`; three torch ops where the kernel is unavailable) with the
+cos/sin the model's own rotary module computes once per step, SiLU-mul, and the packed paged attention
 (:func:`models.attention.attend_packed`: the C++ kernel for decodes, SDPA for prefill
 segments). Per layer that is about 15 op dispatches and no module call.
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from models import quant_kernels
 from models.attention import PackedStep, attend_packed
+from models.paged_attention import fused_rope_available, rope_
 
 
 class Linear(Protocol):
@@ -95,18 +97,22 @@ class LeanLlama:
         self.hidden_size = embed_tokens.shape[1]
         self.scale = geometry.head_dim**-0.5
         self.has_fused_norm = quant_kernels.kernel() is not None
+        self.has_fused_rope = fused_rope_available()
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
         """Last hidden states ``[1, T, hidden]`` of the packed ``[1, T]`` ``input_ids`` at
         ``position_ids``; writes every layer's new K/V into the step's pool."""
         x = F.embedding(input_ids[0], self.embed_tokens)  # [T, hidden]
         cos, sin = self.rotary(x.unsqueeze(0), position_ids)  # [1, T, head_dim]
-        half = self.geometry.head_dim // 2
-        # [T, 1, 2, half]: cos by halves, and sin with the sign rotate_half gives its first half.
-        cos_halves = cos[0].view(-1, 1, 2, half)
-        signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).view(-1, 1, 2, half)
+        if self.has_fused_rope:  # the kernel's tables: [T, head_dim]
+            rope_tables = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        else:
+            half = self.geometry.head_dim // 2
+            # [T, 1, 2, half]: cos by halves, and sin with the sign rotate_half gives its first half.
+            cos_halves = cos[0].view(-1, 1, 2, half)
+            rope_tables = (cos_halves, torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).view(-1, 1, 2, half))
         for index, layer in enumerate(self.layers):
-            x = self._layer(index, layer, x, cos_halves, signed_sin, step)
+            x = self._layer(index, layer, x, rope_tables, step)
         return self._norm(x, self.final_norm).unsqueeze(0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,15 +120,21 @@ class LeanLlama:
         return self.lm_head.mm(hidden.contiguous())
 
     def _layer(
-        self, index: int, layer: LeanLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PackedStep
+        self, index: int, layer: LeanLayer, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], step: PackedStep
     ) -> torch.Tensor:
-        """One decoder layer on ``x`` ``[T, hidden]`` (updated in place and returned); ``cos``,
-        ``sin`` as :func:`_rotate` takes them."""
+        """One decoder layer on ``x`` ``[T, hidden]`` (updated in place and returned);
+        ``rope_tables``: ``(cos, sin)`` as :func:`models.paged_attention.rope_` takes them with
+        the fused RoPE, else as :func:`_rotate` does."""
         g = self.geometry
         num_tokens = x.shape[0]
         qkv = layer.qkv.mm(self._norm(x, layer.input_norm))
         num_qk_heads = g.num_heads + g.num_kv_heads
-        qk = _rotate(qkv[:, : num_qk_heads * g.head_dim].view(num_tokens, num_qk_heads, g.head_dim), cos, sin)
+        if self.has_fused_rope:  # in place on the Q and K heads of the fresh product
+            heads = qkv.view(num_tokens, num_qk_heads + g.num_kv_heads, g.head_dim)
+            rope_(heads, *rope_tables, num_qk_heads)
+            qk = heads[:, :num_qk_heads]
+        else:
+            qk = _rotate(qkv[:, : num_qk_heads * g.head_dim].view(num_tokens, num_qk_heads, g.head_dim), *rope_tables)
         v = qkv[:, num_qk_heads * g.head_dim :].view(num_tokens, g.num_kv_heads, g.head_dim)
         attn = attend_packed(step, index, qk[:, : g.num_heads], qk[:, g.num_heads :], v, self.scale)
         gate_up = layer.gate_up.mm(self._add_norm(x, layer.o.mm(attn.view(num_tokens, -1)), layer.post_attention_norm))

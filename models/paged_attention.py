@@ -104,6 +104,54 @@ def paged_decode_attention(
     return torch_paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, key_scales, value_scales)
 
 
+def write_kv_rows(
+    key_slots: torch.Tensor, value_slots: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Store a step's new K and V rows in one layer's pool.
+
+    Args:
+        key_slots, value_slots: ``[num_slots, num_kv_heads, head_dim]`` views of the pool.
+        slots: ``[T]`` int64 flat slots, in ``[0, num_slots)``.
+        key, value: ``[T, num_kv_heads, head_dim]`` of the pool's dtype.
+
+    The kernel's one call (``write_kv``) on CPU where each token's row is contiguous (a slice of
+    the fused QKV product is), else two ``index_copy_``.
+
+    Raises:
+        TypeError / ValueError: a dtype, a shape or a slot (from the kernel or torch).
+    """
+    kernel = _KERNEL.module() if key.device.type == "cpu" else None
+    if kernel is not None and _has_contiguous_rows(key) and _has_contiguous_rows(value) and key_slots.is_contiguous():
+        kernel.write_kv(key_slots, value_slots, slots, key, value)
+        return
+    key_slots.index_copy_(0, slots, key)
+    value_slots.index_copy_(0, slots, value)
+
+
+def fused_rope_available() -> bool:
+    """Whether :func:`rope_` runs (the kernel is built)."""
+    return _KERNEL.module() is not None
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+    """RoPE in place on heads ``[0, num_heads)`` of ``x`` ``[T, H, head_dim]`` float32 (each
+    token's row contiguous): Hugging Face's ``x * cos + rotate_half(x) * sin``, ``cos`` and ``sin``
+    ``[T, head_dim]`` float32 contiguous. One kernel call (``csrc/paged_attention.cpp``).
+
+    Raises:
+        RuntimeError: no kernel (:func:`fused_rope_available`). TypeError / ValueError: dtypes or shapes.
+    """
+    kernel = _KERNEL.module()
+    if kernel is None:
+        raise RuntimeError(f"the paged-attention kernel is unavailable: {kernel_unavailable_reason()}")
+    kernel.rope_(x, cos, sin, num_heads)
+
+
+def _has_contiguous_rows(rows: torch.Tensor) -> bool:
+    """Whether each ``[num_kv_heads, head_dim]`` row of ``rows`` ``[T, H, D]`` is contiguous."""
+    return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
+
+
 def compiled_kernel_available() -> bool:
     """Whether :func:`paged_decode_attention` runs the C++ kernel; builds it on the first call."""
     return _KERNEL.module() is not None

@@ -366,6 +366,81 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// Stores a step's new K and V rows in one layer's pool: key_slots and value_slots [num_slots,
+// num_kv_heads, head_dim] (contiguous views of the pool), key and value [T, num_kv_heads,
+// head_dim] of the pool's dtype whose rows of num_kv_heads * head_dim are contiguous (any token
+// stride: slices of the step's fused QKV product), slots [T] int64. One call for what two
+// index_copy_ dispatches did. Raises TypeError for a dtype, ValueError for a shape or a slot out
+// of range.
+void write_kv(at::Tensor key_slots, at::Tensor value_slots, const at::Tensor& slots_in, const at::Tensor& key,
+              const at::Tensor& value) {
+  TORCH_CHECK_TYPE(key.scalar_type() == key_slots.scalar_type() && value.scalar_type() == key_slots.scalar_type() &&
+                       value_slots.scalar_type() == key_slots.scalar_type(),
+                   "write_kv: key, value and both pools need one dtype");
+  TORCH_CHECK_TYPE(slots_in.scalar_type() == at::kLong, "write_kv: slots must be int64");
+  TORCH_CHECK_VALUE(key_slots.dim() == 3 && key_slots.is_contiguous() && value_slots.sizes() == key_slots.sizes() &&
+                        value_slots.is_contiguous(),
+                    "write_kv: the pools must be contiguous [num_slots, num_kv_heads, head_dim] of one shape");
+  const int64_t num_tokens = slots_in.numel();
+  const int64_t row = key_slots.size(1) * key_slots.size(2);
+  for (const at::Tensor* rows : {&key, &value}) {
+    TORCH_CHECK_VALUE(rows->dim() == 3 && rows->size(0) == num_tokens && rows->size(1) == key_slots.size(1) &&
+                          rows->size(2) == key_slots.size(2) && rows->stride(2) == 1 && rows->stride(1) == key_slots.size(2),
+                      "write_kv: key and value must be [T, num_kv_heads, head_dim] with contiguous rows, T = len(slots)");
+  }
+  const at::Tensor slots = slots_in.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = key_slots.size(0);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK_VALUE(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t], " outside the pool's ", num_slots);
+  }
+  const int64_t bytes = row * key.element_size();
+  auto* key_pool = static_cast<char*>(key_slots.data_ptr());
+  auto* value_pool = static_cast<char*>(value_slots.data_ptr());
+  const auto* key_rows = static_cast<const char*>(key.data_ptr());
+  const auto* value_rows = static_cast<const char*>(value.data_ptr());
+  const int64_t key_stride = key.stride(0) * key.element_size();
+  const int64_t value_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::memcpy(key_pool + slot[t] * bytes, key_rows + t * key_stride, bytes);
+    std::memcpy(value_pool + slot[t] * bytes, value_rows + t * value_stride, bytes);
+  }
+}
+
+// RoPE in place on the first num_heads heads of x [T, H, head_dim] float32 (rows of H * head_dim
+// contiguous, any token stride: the Q and K heads of the fused QKV product): Hugging Face's
+// apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), that is
+// (x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2) over the halves; cos and sin [T, head_dim] float32
+// contiguous (the model's rotary tables of the step's positions). One call for the three ops and
+// the copy of the torch formula. Raises TypeError for a dtype, ValueError for a shape.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                   "rope_: x, cos and sin must be float32");
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+                    "rope_: x must be [T, H, head_dim] with contiguous rows and an even head_dim");
+  const int64_t num_tokens = x.size(0), head_dim = x.size(2), half = head_dim / 2;
+  TORCH_CHECK_VALUE(num_heads >= 0 && num_heads <= x.size(1), "rope_: num_heads ", num_heads, " outside [0, ", x.size(1), "]");
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK_VALUE(table->dim() == 2 && table->size(0) == num_tokens && table->size(1) == head_dim && table->is_contiguous(),
+                      "rope_: cos and sin must be contiguous [T, head_dim]");
+  }
+  float* data = x.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* ct = c + t * head_dim;
+    const float* st = s + t * head_dim;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* v = data + t * x.stride(0) + h * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * ct[i] - x2 * st[i];
+        v[i + half] = x2 * ct[i + half] + x1 * st[i + half];
+      }
+    }
+  }
+}
+
 // Selects the ISA level the hot loops run at: "avx512", "avx2", "baseline", or "" for the best the
 // CPU supports; returns the one selected. Raises ValueError for an unknown name or a level the CPU
 // lacks.
@@ -402,6 +477,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"),
         pybind11::arg("key_scales") = pybind11::none(), pybind11::arg("value_scales") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "Store new K/V rows [T, Hkv, D] at int64 slots of a layer's pools [num_slots, Hkv, D].",
+        pybind11::arg("key_slots"), pybind11::arg("value_slots"), pybind11::arg("slots"), pybind11::arg("key"),
+        pybind11::arg("value"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rope_", &rope_, "RoPE in place on the first num_heads heads of x [T, H, D] float32; cos, sin [T, D].",
+        pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("num_heads"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("select_isa", &select_isa, "Select the ISA level of the hot loops; returns the one selected.",
         pybind11::arg("name"));
