@@ -33,7 +33,7 @@ GREEDY = SamplingParams(temperature=0.0)
 # Log-probability gap (nats) under which two picks are a near-tie (tests/e2e/reference.py's rule).
 NEAR_TIE_LOGPROB = 1e-3
 # Kinds whose weights or activations differ from eager's (lean-int4 too, from a float folder).
-LOSSY_KINDS = frozenset({"onnx-int8", "lean-int8", "lean-int8-bf16", "lean-int4-bf16"})
+LOSSY_KINDS = frozenset({"onnx-int8", "lean-int8", "lean-int8-bf16", "lean-int4-bf16", "lean-int8-q8a", "lean-int4-q8a"})
 
 
 def is_lossy(kind: str, model: Any) -> bool:

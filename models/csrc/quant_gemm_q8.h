@@ -47,11 +47,6 @@ SLUICE_INLINE V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 SLUICE_INLINE V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
 SLUICE_INLINE V vfmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 SLUICE_INLINE float vhsum(V a) { return _mm512_reduce_add_ps(a.v); }
-// Lanes 0-7 p[0], lanes 8-15 p[1]: the scales of two groups beside their 16 int32 lanes.
-SLUICE_INLINE V vpair(const float* p) {
-  const __m256d lo = _mm256_castps_pd(_mm256_set1_ps(p[0])), hi = _mm256_castps_pd(_mm256_set1_ps(p[1]));
-  return {_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1))};
-}
 SLUICE_INLINE I iload(const void* p) { return {_mm512_loadu_si512(p)}; }
 // Per int32 lane, the sum of four u8 x s8 products, as floats.
 SLUICE_INLINE V dot_us(I u, I s) {
@@ -63,8 +58,6 @@ SLUICE_INLINE V dot_us(I u, I s) {
 }
 // x negated where w < 0 (where w = 0 the product is 0 anyway).
 SLUICE_INLINE I sign_like(I x, I w) { return {_mm512_mask_sub_epi8(x.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), x.v)}; }
-SLUICE_INLINE I iabs(I w) { return {_mm512_abs_epi8(w.v)}; }
-SLUICE_INLINE void istore(void* p, I a) { _mm512_storeu_si512(p, a.v); }
 
 // One group of 32 floats to int8 (see the header); returns d, sets *sum to sum(q).
 SLUICE_INLINE float quantize_group(const float* x, int8_t* q, int32_t* sum) {
@@ -98,7 +91,6 @@ SLUICE_INLINE float vhsum(V x) {
   h = _mm_hadd_ps(h, h);
   return _mm_cvtss_f32(_mm_hadd_ps(h, h));
 }
-SLUICE_INLINE V vpair(const float* p) { return {_mm256_set1_ps(p[0]), _mm256_set1_ps(p[1])}; }
 SLUICE_INLINE I iload(const void* p) {
   const __m256i* q = reinterpret_cast<const __m256i*>(p);
   return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
@@ -108,12 +100,6 @@ SLUICE_INLINE __m256 dot_us32(__m256i u, __m256i s) {
 }
 SLUICE_INLINE V dot_us(I u, I s) { return {dot_us32(u.a, s.a), dot_us32(u.b, s.b)}; }
 SLUICE_INLINE I sign_like(I x, I w) { return {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(x.b, w.b)}; }
-SLUICE_INLINE I iabs(I w) { return {_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}; }
-SLUICE_INLINE void istore(void* p, I x) {
-  __m256i* q = reinterpret_cast<__m256i*>(p);
-  _mm256_storeu_si256(q, x.a);
-  _mm256_storeu_si256(q + 1, x.b);
-}
 
 SLUICE_INLINE float quantize_group(const float* x, int8_t* q, int32_t* sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -147,15 +133,22 @@ constexpr int64_t kQ8BlockChannels = 32;  // output channels unpacked together
 
 SLUICE_INLINE int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
-// x quantized: q [M, kp] int8, d [M, gp] (gp = kp / 32) and s [M, gm] float32, padded with zeros.
+// x quantized: q [M, kp] int8, d [M, kp / 4] and s [M, gm] float32, padded with zeros. d holds
+// each group's scale 8 times, beside the 8 int32 lanes of its integer product (spread16).
 struct Acts {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  int64_t kp, gp, gm;
+  int64_t kp, gm;
 };
 
+// Group g's scale into the 16-lane pairs of d (lanes 0-7 of pair g / 2 for an even g, 8-15 odd).
+SLUICE_INLINE void spread16(float* d, int64_t g, float value) {
+  for (int i = 0; i < 8; ++i) d[g * 8 + i] = value;
+}
+
 // A block of weight rows unpacked: u [C, kp] the unsigned operand (int4 q, or |q| of int8), w
-// [C, kp] the signs (int8 only), d [C, gp] the scale of each group of 32, m [C, gm] (int4).
+// [C, kp] the signs (int8 only), d [C, kp / 4] the scale of each group of 32 (spread16), m [C, gm]
+// (int4).
 struct Block {
   std::vector<uint8_t> u;
   std::vector<int8_t> w;
@@ -165,17 +158,16 @@ struct Block {
 Acts quantize_rows(const float* x, int64_t rows, int64_t k) {
   Acts a;
   a.kp = round_up(k, kQ8Chunk);
-  a.gp = a.kp / kGroup;
   a.gm = round_up(k / kGroup, 16);
   a.q.assign(rows * a.kp, 0);
-  a.d.assign(rows * a.gp, 0.0f);
+  a.d.assign(rows * a.kp / 4, 0.0f);
   a.s.assign(rows * a.gm, 0.0f);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t g = 0; g < k / kGroup; ++g) {
         int32_t sum = 0;
         const float d = quantize_group(x + r * k + g * kGroup, a.q.data() + r * a.kp + g * kGroup, &sum);
-        a.d[r * a.gp + g] = d;
+        spread16(a.d.data() + r * a.kp / 4, g, d);
         a.s[r * a.gm + g] = d * static_cast<float>(sum);
       }
   });
@@ -192,7 +184,7 @@ void unpack(const Int4Weights& w, int64_t c0, int64_t count, const Acts& a, Bloc
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + g * kGroup / 2));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + g * kGroup), _mm_and_si128(bytes, mask));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + g * kGroup + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-      b.d[c * a.gp + g] = w.d[(c0 + c) * groups + g];
+      spread16(b.d.data() + c * a.kp / 4, g, w.d[(c0 + c) * groups + g]);
       b.m[c * a.gm + g] = w.m[(c0 + c) * groups + g];
     }
   }
@@ -201,13 +193,11 @@ void unpack(const Int4Weights& w, int64_t c0, int64_t count, const Acts& a, Bloc
 void unpack(const Int8Weights& w, int64_t c0, int64_t count, const Acts& a, Block& b) {
   for (int64_t c = 0; c < count; ++c) {
     const int8_t* src = w.q + (c0 + c) * w.k;
-    for (int64_t j = 0; j < w.k; j += kGroup) {
-      for (int64_t i = 0; i < kGroup; ++i) {
-        b.w[c * a.kp + j + i] = src[j + i];
-        b.u[c * a.kp + j + i] = static_cast<uint8_t>(src[j + i] < 0 ? -static_cast<int>(src[j + i]) : src[j + i]);
-      }
-      const int64_t g = j / kGroup;
-      b.d[c * a.gp + g] = w.s[(c0 + c) * w.scales_per_row + (w.group_shift < 0 ? 0 : g >> w.group_shift)];
+    for (int64_t g = 0; g < w.k / kGroup; ++g) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * kGroup));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.w.data() + c * a.kp + g * kGroup), q);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.u.data() + c * a.kp + g * kGroup), _mm256_abs_epi8(q));
+      spread16(b.d.data() + c * a.kp / 4, g, w.s[(c0 + c) * w.scales_per_row + (w.group_shift < 0 ? 0 : g >> w.group_shift)]);
     }
   }
 }
@@ -224,11 +214,11 @@ SLUICE_INLINE void tile(const Acts& a, int64_t r0, const Block& b, int64_t c, fl
     V xd[R];
     for (int i = 0; i < R; ++i) {
       x[i] = iload(a.q.data() + (r0 + i) * a.kp + k);
-      xd[i] = vpair(a.d.data() + (r0 + i) * a.gp + g);
+      xd[i] = vload(a.d.data() + (r0 + i) * a.kp / 4 + g * 8);
     }
     for (int j = 0; j < C; ++j) {
       const I u = iload(b.u.data() + (c + j) * a.kp + k);
-      const V wd = vpair(b.d.data() + (c + j) * a.gp + g);
+      const V wd = vload(b.d.data() + (c + j) * a.kp / 4 + g * 8);
       if constexpr (kSigned) {
         const I w = iload(b.w.data() + (c + j) * a.kp + k);
         for (int i = 0; i < R; ++i) acc[i][j] = vfmadd(dot_us(u, sign_like(x[i], w)), vmul(xd[i], wd), acc[i][j]);
@@ -272,7 +262,7 @@ void gemm(const float* x, int64_t rows, int64_t n, float* out, const Weights& w)
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     Block b;
     b.u.assign(kQ8BlockChannels * a.kp, 0);
-    b.d.assign(kQ8BlockChannels * a.gp, 0.0f);
+    b.d.assign(kQ8BlockChannels * a.kp / 4, 0.0f);
     if constexpr (kSigned)
       b.w.assign(kQ8BlockChannels * a.kp, 0);
     else
