@@ -29,6 +29,33 @@
 // call into a small buffer (nibbles to bytes, or |q| and q, scales expanded per group of 32) that
 // stays in L1/L2 while every row tile (kQ8Rows rows x kQ8Channels channels of float32
 // accumulators) passes over it. K is padded to a multiple of 64 with zeros in both buffers.
+//
+// Which wins where: ms per product, SmolLM2-135M's shapes, random weights, median of 7 runs
+// interleaved with the others (step_split.time_products, `python -m bench.decode_split`), 2
+// threads, 2-vCPU AMD EPYC (avx2 fma avx512f/bw/dq/vl/vnni/bf16), load 1.2-1.5 from other
+// work; oneDNN's float32 runs AVX-512 on it; "GEMV" the float32-activation int4 kernel:
+//   product [N, K]    rows  float32  int4q8 VNNI  int4q8 512  int4q8 AVX2  int8q8 VNNI  int4 GEMV
+//   qkv [960, 576]      16    0.121     0.101       0.118       0.153        0.113       0.115
+//                       64    0.364     0.309       0.382       0.466        0.350       0.446
+//                      512    2.659     2.351       2.938       3.678        2.614       3.703
+//   o [576, 576]        16    0.082     0.061       0.071       0.086        0.068       0.071
+//                       64    0.227     0.191       0.234       0.291        0.216       0.268
+//                      512    1.690     1.453       1.827       2.357        1.627       2.215
+//   gate_up [3072, 576] 16    0.371     0.287       0.342       0.443        0.336       0.366
+//                       64    1.184     0.987       1.226       1.711        1.116       1.433
+//                      512    8.323     7.454       9.299      12.160        8.378      11.855
+//   down [576, 1536]    16    0.185     0.148       0.176       0.229        0.166       0.174
+//                       64    0.590     0.465       0.579       0.704        0.530       0.692
+//                      512    4.167     3.557       4.534       5.266        4.066       5.623
+// So on AVX-512 with VNNI the int4 GEMM beats oneDNN's float32 at every prefill size, 1.12-1.29x
+// (more at 16-64 rows than at 512), and the int4 GEMV from 16 rows on; int8 weights gain less
+// (1.0-1.2x: the sign trick costs an op per product and twice the weight bytes). Without VNNI
+// (vpmaddubsw + vpmaddwd: one op more per 64 products) it is on a par with float32 at 16 rows and
+// 0.88-0.97x beyond; the AVX2 path loses to AVX-512 float32 here (an AVX2-only CPU, where oneDNN
+// runs AVX2 too, was not measured). The bound: per 64 multiply-adds the GEMM issues vpdpbusd,
+// vcvtdq2ps, vmulps (the two groups' scales) and vfmadd231ps where float32 issues four FMAs,
+// so about 1.33x at best on a CPU whose 512-bit integer and float products share the FMA pipes.
+// The lean backend measures at build from which row count it pays (row_crossover.py).
 
 namespace q8 {
 
