@@ -233,24 +233,38 @@ void unpack(const Int8Weights& w, int64_t c0, int64_t count, const Acts& a, Bloc
 template <int R, int C, bool kSigned>
 SLUICE_INLINE void tile(const Acts& a, int64_t r0, const Block& b, int64_t c, float* out, int64_t n) {
   V acc[R][C];
-  for (int i = 0; i < R; ++i)
+  const int8_t* xq[R];
+  const float* xd[R];
+  const uint8_t* wu[C];
+  const int8_t* ws[C];
+  const float* wd[C];
+  for (int i = 0; i < R; ++i) {
+    xq[i] = a.q.data() + (r0 + i) * a.kp;
+    xd[i] = a.d.data() + (r0 + i) * a.kp / 4;
     for (int j = 0; j < C; ++j) acc[i][j] = vzero();
+  }
+  for (int j = 0; j < C; ++j) {
+    wu[j] = b.u.data() + (c + j) * a.kp;
+    ws[j] = kSigned ? b.w.data() + (c + j) * a.kp : nullptr;
+    wd[j] = b.d.data() + (c + j) * a.kp / 4;
+  }
+  // Per 64 bytes of K: the scales of its two groups are 16 floats (spread16), so the float index
+  // is a quarter of the byte index.
   for (int64_t k = 0; k < a.kp; k += kQ8Chunk) {
-    const int64_t g = k / kGroup;
     I x[R];
-    V xd[R];
+    V xs[R];
     for (int i = 0; i < R; ++i) {
-      x[i] = iload(a.q.data() + (r0 + i) * a.kp + k);
-      xd[i] = vload(a.d.data() + (r0 + i) * a.kp / 4 + g * 8);
+      x[i] = iload(xq[i] + k);
+      xs[i] = vload(xd[i] + k / 4);
     }
     for (int j = 0; j < C; ++j) {
-      const I u = iload(b.u.data() + (c + j) * a.kp + k);
-      const V wd = vload(b.d.data() + (c + j) * a.kp / 4 + g * 8);
+      const I u = iload(wu[j] + k);
+      const V ds = vload(wd[j] + k / 4);
       if constexpr (kSigned) {
-        const I w = iload(b.w.data() + (c + j) * a.kp + k);
-        for (int i = 0; i < R; ++i) acc[i][j] = vfmadd(dot_us(u, sign_like(x[i], w)), vmul(xd[i], wd), acc[i][j]);
+        const I w = iload(ws[j] + k);
+        for (int i = 0; i < R; ++i) acc[i][j] = vfmadd(dot_us(u, sign_like(x[i], w)), vmul(xs[i], ds), acc[i][j]);
       } else {
-        for (int i = 0; i < R; ++i) acc[i][j] = vfmadd(dot_us(u, x[i]), vmul(xd[i], wd), acc[i][j]);
+        for (int i = 0; i < R; ++i) acc[i][j] = vfmadd(dot_us(u, x[i]), vmul(xs[i], ds), acc[i][j]);
       }
     }
   }
