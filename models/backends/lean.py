@@ -75,7 +75,8 @@ Built from the folder's safetensors (the float32 weights the eager path loaded, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,30 @@ QuantizeFn = Callable[[int, str, torch.Tensor], Linear | None]
 
 class LeanDecoder:
     """A :class:`models.llama_lean.LeanLlama` as a decoder backend; it owns the LM head
-    (:meth:`logits`), which the runner calls instead of the model's while this backend serves."""
+    (:meth:`logits`), which the runner calls instead of the model's while this backend serves.
+    ``switched``: its products that choose by row count (quantized kinds; empty for ``lean``)."""
 
-    def __init__(self, name: str, model: LeanLlama):
+    def __init__(self, name: str, model: LeanLlama, switched: list[SwitchedLinear] | None = None):
         self.name = name
         self.model = model
+        self.switched = switched or []
+
+    @contextlib.contextmanager
+    def int8_activations_from(self, rows: int) -> Iterator[None]:
+        """While open, every product with an int8-activation path (the -q8a kinds) takes it
+        from ``rows`` rows on (those up to its ``max_rows`` still run the GEMV). For the gate's
+        accuracy check (:mod:`models.backends.decoder_gate`), whose prompts are shorter than
+        the threshold measured at build: a row's int8 rounding does not depend on the rows
+        beside it, so short prefills then show what long ones would."""
+        saved = [product.min_prefill_rows for product in self.switched]
+        for product in self.switched:
+            if product.prefill is not None:
+                product.min_prefill_rows = rows
+        try:
+            yield
+        finally:
+            for product, min_rows in zip(self.switched, saved):
+                product.min_prefill_rows = min_rows
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
         """Last hidden states ``[1, T, hidden_size]`` of the packed tokens."""
@@ -189,7 +209,7 @@ def build_lean(
         LeanGeometry.from_config(config), decoder.embed_tokens.weight.detach(), layers, decoder.norm.weight.detach(),
         decoder.rotary_emb, head,
     )
-    return LeanDecoder(name, model)
+    return LeanDecoder(name, model, switched)
 
 
 def _q8_activation(quantized: Linear) -> Linear | None:

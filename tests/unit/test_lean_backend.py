@@ -240,3 +240,25 @@ def test_the_decoder_gate_measures_lean_kinds_by_their_exactness(smollm2: Any) -
     assert exact["quantized"] is False and exact["tokens_identical"] is True and "error" not in exact
     assert lossy["quantized"] is True and lossy["top1_agreement"] >= INT8_MIN_TOP1_AGREEMENT
     assert 0 <= lossy["mean_kl_nats"] <= INT8_MAX_MEAN_KL_NATS and len(lossy["candidate_repeats_ms"]) == 2
+
+
+def test_the_gate_checks_an_int8_activation_kind_with_its_prefills_on_int8(smollm2: Any) -> None:
+    """The gate's prompts are shorter than the prefill threshold measured at build: its accuracy
+    check lowers it (a KL above 0 shows the int8 path ran), and restores it after."""
+    from models.backends.decoder_gate import measure_decoder
+    from models.backends.lean import LeanDecoder
+    from models.causal_lm import CausalLMRunner
+    from models.quant_kernels import supported_isas
+
+    if not supported_isas():
+        pytest.skip("the int8-activation kinds need the C++ kernel")
+    model, prompts, num_blocks, _ = smollm2
+    (result,) = measure_decoder(model, [(1, 8), (2, 1)], 8, BLOCK_SIZE, ["lean-int4-q8a"], 1, prompts[:2], 4)
+    assert result["quantized"] is True and "error" not in result
+    assert result["top1_agreement"] >= INT8_MIN_TOP1_AGREEMENT and 0 < result["mean_kl_nats"] <= INT8_MAX_MEAN_KL_NATS
+    backend = CausalLMRunner(model, num_blocks, BLOCK_SIZE, backend="lean-int4-q8a").primary_backend
+    assert isinstance(backend, LeanDecoder)
+    measured = [p.min_prefill_rows for p in backend.switched]
+    with backend.int8_activations_from(2):
+        assert all(p.min_prefill_rows == 2 for p in backend.switched if p.prefill is not None)
+    assert [p.min_prefill_rows for p in backend.switched] == measured
