@@ -85,9 +85,10 @@ def test_rms_norm_and_the_residual_add_before_it_match_torch(isas: list[qk.Isa])
         torch.testing.assert_close(got, torch.nn.functional.rms_norm(x + delta, (hidden,), weight, 1e-5))
 
 
-# (out_features, in_features, rows) of the int8-activation GEMM: SmolLM2's K (576, 1536), a K
-# with an odd group count (96), N not a multiple of the 32-channel block or the 4-channel tile.
-Q8_SHAPES = [(45, 576, 1), (70, 1536, 3), (37, 576, 17), (100, 96, 64), (33, 1536, 5)]
+# (out_features, in_features, rows) of the int8-activation GEMM: rows around its 4-row tiles,
+# SmolLM2's K (576, 1536) and one with an odd group count (96), N not a multiple of the
+# 32-channel block or of the 4-channel tile.
+Q8_SHAPES = [(n, k, rows) for rows in (1, 3, 17, 64) for n, k in ((45, 576), (70, 1536))] + [(100, 96, 5), (33, 96, 64)]
 
 
 def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
