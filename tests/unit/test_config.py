@@ -370,7 +370,7 @@ def test_a_bucket_gates_its_own_candidates_and_the_command_line_wins() -> None:
     smollm2 = next(m for m in config.models if m.task == "generate")
     for bucket in smollm2.buckets:
         assert bucket.backend == "auto"
-        assert gate.bucket_gate_config(config.gate, bucket).candidates == ["lean", "lean-int8", "lean-int4", "lean-int4-q8a"]
+        assert gate.bucket_gate_config(config.gate, bucket).candidates == ["lean", "lean-int8", "lean-int4"]
     minilm = next(m for m in config.models if m.task == "embed")
     assert gate.bucket_gate_config(config.gate, minilm.buckets[0]).candidates == config.gate.candidates
 
