@@ -18,10 +18,11 @@ Kinds:
         float16 ``d`` does not survive bfloat16), and ``lean-int4-bf16``'s LM head is int8 per
         channel.
     ``lean-int4-q8a``, ``lean-int8-q8a``: ``lean-int4`` and ``lean-int8`` whose layer products of
-        prefill size (at least as many rows as pay, measured at build) quantize their activations
+        prefill size (at least as many rows as pay, measured at build: 16 to 64 on the AVX-512
+        machine; a packed decode step of that many sequences too) quantize their activations
         to int8 per row and group of 32 and multiply in integers (:mod:`models.quant_kernels`,
-        ``csrc/quant_gemm_q8.h``: VNNI on AVX-512); decode-sized products keep the exact
-        float32-activation GEMV. Lossy (both).
+        ``csrc/quant_gemm_q8.h``: VNNI on AVX-512); products of few rows keep the exact
+        float32-activation GEMV. Lossy (both); opt-in gate candidates.
 
 With float32 activations the quantized products run Sluice's kernel
 (:mod:`models.quant_kernels`, AVX-512 or AVX2, exact on the dequantized weights). A product of
