@@ -18,8 +18,9 @@ included; the lean path's :mod:`models.lean_linear` ``mm`` calls) and every laye
 time to a counter; the step's wall time comes from the rounds without hooks. ``other_ms`` is
 step minus matmul minus attention (medians): norms, RoPE, activations, residuals, module
 dispatch, step set-up and sampling. A second table times each product kind alone (float32,
-our kernel's int8 and int4 on each ``--isas`` path, torch's two with bfloat16 activations) on one
-SmolLM2 layer's shapes at 1 to 512 rows.
+our kernel's int8 and int4 on each ``--isas`` path, with float32 activations and, from 16 rows,
+int8 ones: ``int4q8@avx512`` (VNNI where the CPU has it; ``-novnni`` without), torch's two with
+bfloat16 activations) on one SmolLM2 layer's shapes at 1 to 512 rows.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _split(figures: dict[str, list[float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="eager,lean,lean-int8,lean-int4,lean-int8@avx2,lean-int4@avx2,lean-int8-bf16,lean-int4-bf16")
+    parser.add_argument("--kinds", default="eager,lean,lean-int8,lean-int4,lean-int8@avx2,lean-int4@avx2,lean-int8-bf16,lean-int4-bf16,lean-int4-q8a,lean-int8-q8a")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--context", type=int, default=128, help="context tokens of each decode")
     parser.add_argument("--no-products", action="store_true", help="skip the per-product table")
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     for product, kinds in products.items():
         for kind, by_rows in kinds.items():
             cells = "  ".join(f"M={rows}: {ms:8.3f}" for rows, ms in by_rows.items())
-            print(f"{product:8} {kind:12} {cells} ms")
+            print(f"{product:8} {kind:20} {cells} ms")
     if args.json:
         args.json.write_text(json.dumps({"load_before": load_before, "load_after": load_after, "steps": steps, "products": products}, indent=2))
 

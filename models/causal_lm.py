@@ -91,6 +91,12 @@ class CausalLMRunner:
         return self._forward_backend.name
 
     @property
+    def primary_backend(self) -> DecoderBackend:
+        """The backend of the kind this runner was built for (steps run on eager instead once
+        it failed): for the gate's hooks into a kind (:mod:`models.backends.decoder_gate`)."""
+        return self._primary
+
+    @property
     def num_live_sequences(self) -> int:
         """Sequences with sampler state (running or preempted, not yet released)."""
         return len(self._generators)

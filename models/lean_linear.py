@@ -124,6 +124,12 @@ class Int8Linear:
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self._op_scales)
         return out.float()
 
+    def mm_q8(self, x: torch.Tensor, vnni: bool) -> torch.Tensor:
+        """``[M, K]`` float32 -> ``[M, N]`` float32 with ``x`` quantized to int8 per row and group
+        of 32 (:func:`models.quant_kernels.int8_linear_q8`); needs the kernel (``isa`` set)."""
+        assert self.isa is not None
+        return quant_kernels.int8_linear_q8(x, self.qweight, self.scales, self.isa, vnni)
+
     def dequantized(self) -> torch.Tensor:
         """``[N, K]`` float32: the weight this layer multiplies by."""
         return self.qweight.float() * self.scales.repeat_interleave(self.in_features // self.scales.shape[1], dim=1)
@@ -180,6 +186,12 @@ class Int4Linear:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, self._op_scales_and_zeros)
         return out.float()
 
+    def mm_q8(self, x: torch.Tensor, vnni: bool) -> torch.Tensor:
+        """``[M, K]`` float32 -> ``[M, N]`` float32 with ``x`` quantized to int8 per row and group
+        of 32 (:func:`models.quant_kernels.int4_linear_q8`); needs the kernel (``isa`` set)."""
+        assert self.isa is not None
+        return quant_kernels.int4_linear_q8(x, self.packed_weight, self.scale, self.minimum, self.isa, vnni)
+
     def dequantized(self) -> torch.Tensor:
         """``[N, K]`` float32: the weight this layer multiplies by (the product run on an identity)."""
         return self.mm(torch.eye(self.in_features)).t().contiguous()
@@ -187,6 +199,31 @@ class Int4Linear:
     @property
     def nbytes(self) -> int:
         return self.packed_weight.numel() + (self.scale.numel() + self.minimum.numel()) * 4
+
+
+class Q8ActivationLinear:
+    """The product of an :class:`Int4Linear` or :class:`Int8Linear`'s weights with int8
+    activations: ``x`` quantized per row and group of 32 on each call, integer products (AVX-512
+    VNNI where the CPU has it and the kernel runs AVX-512, else ``vpmaddubsw``). Lossy (the
+    rounding of ``x``); the -q8a kinds run it for prefill-sized products only
+    (:class:`models.backends.row_crossover.SwitchedLinear`). Figures: ``csrc/quant_gemm_q8.h``.
+
+    Raises:
+        ValueError: ``linear`` does not run the kernel (``isa`` ``None``).
+    """
+
+    kind = "q8a"
+
+    def __init__(self, linear: Int4Linear | Int8Linear):
+        if linear.isa is None:
+            raise ValueError("int8 activations need the quantized-product kernel with float32 activations, group 32")
+        self.linear = linear
+        self.out_features, self.in_features = linear.out_features, linear.in_features
+        self.vnni = linear.isa == Isa.AVX512 and quant_kernels.has_vnni()
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``[M, K]`` float32 -> ``[M, N]`` float32."""
+        return self.linear.mm_q8(x, self.vnni)
 
 
 def int4_round_to_nearest(

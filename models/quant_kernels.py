@@ -30,6 +30,7 @@ from models.paged_attention import CFLAGS, LDFLAGS, KernelLoader, build_extensio
 ISA_ENV = "SLUICE_KERNEL_ISA"
 EXTENSION_NAME = "sluice_quant_linear"
 SOURCE_PATH = Path(__file__).parent / "csrc" / "quant_linear.cpp"
+GEMM_Q8_PATH = Path(__file__).parent / "csrc" / "quant_gemm_q8.h"  # included by SOURCE_PATH
 GROUP_SIZE = 32
 
 
@@ -41,7 +42,7 @@ class Isa(enum.IntEnum):
 
 
 _LOADER = KernelLoader(
-    partial(build_extension, EXTENSION_NAME, SOURCE_PATH, CFLAGS, LDFLAGS, header_paths=(), choose_isa=False), name=EXTENSION_NAME
+    partial(build_extension, EXTENSION_NAME, SOURCE_PATH, CFLAGS, LDFLAGS, header_paths=(GEMM_Q8_PATH,), choose_isa=False), name=EXTENSION_NAME
 )
 
 
@@ -116,6 +117,45 @@ def int8_linear(x: torch.Tensor, q8: torch.Tensor, scales: torch.Tensor, isa: Is
         RuntimeError: no kernel. ValueError / TypeError: shapes or dtypes (from the kernel).
     """
     out: torch.Tensor = _module().int8_linear(x, q8, scales, int(isa))
+    return out
+
+
+def has_vnni() -> bool:
+    """Whether the int8-activation GEMM can run AVX-512 VNNI's ``vpdpbusd`` here (``False``
+    without the kernel)."""
+    module = kernel()
+    return module is not None and bool(module.has_vnni())
+
+
+def q8_paths() -> list[tuple[Isa, bool]]:
+    """Every code path of the int8-activation GEMM this CPU runs, as ``(isa, vnni)``, slowest
+    first: AVX2 ``vpmaddubsw``, AVX-512 ``vpmaddubsw``, AVX-512 VNNI ``vpdpbusd``."""
+    paths = [(isa, False) for isa in supported_isas()]
+    return paths + [(Isa.AVX512, True)] if has_vnni() else paths
+
+
+def int4_linear_q8(
+    x: torch.Tensor, q4: torch.Tensor, d: torch.Tensor, m: torch.Tensor, isa: Isa, vnni: bool = False
+) -> torch.Tensor:
+    """:func:`int4_linear` with ``x`` quantized to int8 on the fly (symmetric, per row and group
+    of 32: llama.cpp's Q8_1; see ``csrc/quant_gemm_q8.h``): ``[M, K]`` float32 -> ``[M, N]``
+    float32, integer products exact within each group, lossy by the rounding of ``x``.
+
+    Raises:
+        RuntimeError: no kernel. ValueError / TypeError: shapes or dtypes, or ``vnni`` where
+            the CPU lacks it or ``isa`` is not AVX512 (from the kernel).
+    """
+    out: torch.Tensor = _module().int4_linear_q8(x, q4, d, m, int(isa), vnni)
+    return out
+
+
+def int8_linear_q8(x: torch.Tensor, q8: torch.Tensor, scales: torch.Tensor, isa: Isa, vnni: bool = False) -> torch.Tensor:
+    """:func:`int8_linear` with ``x`` quantized to int8 on the fly, as :func:`int4_linear_q8`.
+
+    Raises:
+        RuntimeError: no kernel. ValueError / TypeError: shapes, dtypes or ``vnni`` (from the kernel).
+    """
+    out: torch.Tensor = _module().int8_linear_q8(x, q8, scales, int(isa), vnni)
     return out
 
 

@@ -25,13 +25,15 @@ import torch
 import models.attention as attention
 import models.llama_lean as llama_lean
 from models.cpu_linear import PackedLinear
-from models.lean_linear import DenseLinear, Int4Linear, Int8Linear, int4_round_to_nearest
+from models.lean_linear import DenseLinear, Int4Linear, Int8Linear, Q8ActivationLinear, int4_round_to_nearest
 from models.llama_lean import Linear
 from models.quant_kernels import ISA_ENV
 
 # One SmolLM2 layer's products (out, in) and the LM head's.
 PRODUCT_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-PRODUCT_ROWS = (1, 4, 8, 32, 512)
+PRODUCT_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+# The int8-activation kinds (``*q8@isa``) only at prefill sizes.
+Q8_MIN_ROWS = 16
 
 
 class SplitTimer:
@@ -49,7 +51,8 @@ class SplitTimer:
     @contextlib.contextmanager
     def hooked(self) -> Iterator[None]:
         """Wrap every product and every layer's attention in a clock read pair (restored after)."""
-        owners: list[tuple[Any, str]] = [(PackedLinear, "forward"), (DenseLinear, "mm"), (Int8Linear, "mm"), (Int4Linear, "mm")]
+        owners: list[tuple[Any, str]] = [(PackedLinear, "forward"), (DenseLinear, "mm"), (Int8Linear, "mm"), (Int4Linear, "mm"),
+                                           (Q8ActivationLinear, "mm")]  # fmt: skip
         patches = [(owner, name, "matmul_s") for owner, name in owners]
         patches += [(attention, "attend_packed", "attention_s"), (llama_lean, "attend_packed", "attention_s")]
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -90,11 +93,18 @@ def forced_isa(isa: str | None) -> Iterator[None]:
 
 def product_kinds(weight: torch.Tensor, isas: list[str]) -> dict[str, Linear]:
     """Every product kind of ``weight`` ``[N, K]``: float32, our kernel's int8 and int4 on each
-    ISA path of ``isas``, torch's int8 and int4 ops with bfloat16 activations."""
+    ISA path of ``isas`` with float32 activations and with int8 ones (``int8q8``, ``int4q8``;
+    on AVX-512 with VNNI also without it, ``@avx512-novnni``), torch's int8 and int4 ops with
+    bfloat16 activations."""
     linears: dict[str, Linear] = {"float32": DenseLinear(weight)}
     for isa in isas:
         with forced_isa(isa):
             linears[f"int8@{isa}"], linears[f"int4@{isa}"] = Int8Linear(weight), int4_round_to_nearest(weight)
+        for bits in ("int8", "int4"):
+            q8 = linears[f"{bits}q8@{isa}"] = Q8ActivationLinear(linears[f"{bits}@{isa}"])  # type: ignore[arg-type]
+            if q8.vnni:
+                linears[f"{bits}q8@{isa}-novnni"] = without_vnni = Q8ActivationLinear(q8.linear)
+                without_vnni.vnni = False
     linears["int8-bf16"] = Int8Linear(weight, torch.bfloat16)
     linears["int4-bf16"] = int4_round_to_nearest(weight, activation_dtype=torch.bfloat16)
     return linears
@@ -114,11 +124,12 @@ def time_products(repeats: int, isas: list[str]) -> dict[str, dict[str, dict[int
             if product == "lm_head" and rows > 32:
                 continue
             x = torch.randn(rows, in_features, generator=generator)
-            times: dict[str, list[float]] = {kind: [] for kind in linears}
-            for kind, linear in linears.items():
+            timed = {kind: linear for kind, linear in linears.items() if rows >= Q8_MIN_ROWS or "q8@" not in kind}
+            times: dict[str, list[float]] = {kind: [] for kind in timed}
+            for kind, linear in timed.items():
                 linear.mm(x)
             for _ in range(repeats):
-                for kind, linear in linears.items():
+                for kind, linear in timed.items():
                     started = time.perf_counter()
                     linear.mm(x)
                     times[kind].append((time.perf_counter() - started) * 1e3)

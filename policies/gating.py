@@ -46,10 +46,12 @@ BOOTSTRAP_RESAMPLES = 2000
 # ``onnx-fp32`` is exact but holds its own copy of the weights, ``lean`` is exact with fused
 # copies of the QKV and gate/up weights, ``lean-int4`` is exact from a GGUF Q4_1 source (its
 # blocks beside eager's float32 weights); then the approximations: ``onnx-int8``, ``lean-int8``
-# (float32 activations, exact on its int8 weights), and the bfloat16-activation kinds. Labels
-# not listed come after, in name order.
+# (float32 activations, exact on its int8 weights), ``lean-int4-q8a`` (lean-int4 with int8
+# activations in prefill-sized products), the bfloat16-activation kinds, ``lean-int8-q8a``.
+# Labels not listed come after, in name order.
 BACKEND_PREFERENCE = (
-    "compiled", "onnx-fp32", "lean", "lean-int4", "onnx-int8", "lean-int8", "lean-int4-bf16", "lean-int8-bf16",
+    "compiled", "onnx-fp32", "lean", "lean-int4", "onnx-int8", "lean-int8", "lean-int4-q8a", "lean-int4-bf16",
+    "lean-int8-bf16", "lean-int8-q8a",
 )  # fmt: skip
 BOOTSTRAP_SEED = 0
 # A geometric mean of equal ratios may land an ulp below their value.

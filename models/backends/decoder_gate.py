@@ -9,13 +9,16 @@ tokens, all prompts packed in the same steps, as the continuous batcher does. An
 eager's greedy tokens, where a prompt first differs a near-tie in eager's log-probabilities (the
 two picks within :data:`NEAR_TIE_LOGPROB`, the engine tests' rule after vLLM's
 ``check_logprobs_close``). A lossy kind is teacher-forced along eager's tokens: the share of
-decode steps whose top token is eager's and the mean KL(eager || candidate) in nats. Candidates
+decode steps whose top token is eager's and the mean KL(eager || candidate) in nats (the -q8a
+kinds with int8 activations on every prefill of :data:`Q8A_ACCURACY_ROWS` tokens or more, since
+the gate's prompts are shorter than their measured threshold). Candidates
 run one prompt at a time (a decode step of more rows than the kernel's limit runs float32
 products, so packed prompts would measure that exact path, not the one a lone request takes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +36,11 @@ GREEDY = SamplingParams(temperature=0.0)
 # Log-probability gap (nats) under which two picks are a near-tie (tests/e2e/reference.py's rule).
 NEAR_TIE_LOGPROB = 1e-3
 # Kinds whose weights or activations differ from eager's (lean-int4 too, from a float folder).
-LOSSY_KINDS = frozenset({"onnx-int8", "lean-int8", "lean-int8-bf16", "lean-int4-bf16"})
+LOSSY_KINDS = frozenset({"onnx-int8", "lean-int8", "lean-int8-bf16", "lean-int4-bf16", "lean-int8-q8a", "lean-int4-q8a"})
+
+
+# The row count from which the -q8a kinds run int8 activations in the accuracy check.
+Q8A_ACCURACY_ROWS = 2
 
 
 def is_lossy(kind: str, model: Any) -> bool:
@@ -200,7 +207,11 @@ def _accuracy(runner: Any, lossy: bool, prompts: Sequence[list[int]], want: Sequ
     """A candidate's accuracy figures (see :func:`measure_decoder`), each prompt alone;
     ``reference`` eager's :func:`_one_at_a_time` along ``want``."""
     if lossy:
-        return logprob_agreement(reference, _one_at_a_time(runner, prompts, want))
+        # The -q8a kinds' int8 activations on every prefill of 2 tokens or more, not only past
+        # the threshold measured at build (the gate texts are shorter than it).
+        lowered = getattr(runner.primary_backend, "int8_activations_from", None)
+        with lowered(Q8A_ACCURACY_ROWS) if lowered is not None else contextlib.nullcontext():
+            return logprob_agreement(reference, _one_at_a_time(runner, prompts, want))
     got = [greedy_tokens(runner, [prompt], len(want[0]))[0] for prompt in prompts]
     ties = greedy_near_ties(reference, want, got)
     return {"tokens_identical": ties is not None, "near_ties": ties}

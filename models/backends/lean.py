@@ -17,6 +17,12 @@ Kinds:
         bfloat16 activations and scales (the result back in float32); lossy, int4 too (Q4_1's
         float16 ``d`` does not survive bfloat16), and ``lean-int4-bf16``'s LM head is int8 per
         channel.
+    ``lean-int4-q8a``, ``lean-int8-q8a``: ``lean-int4`` and ``lean-int8`` whose layer products of
+        prefill size (at least as many rows as pay, measured at build: 16 to 64 on the AVX-512
+        machine; a packed decode step of that many sequences too) quantize their activations
+        to int8 per row and group of 32 and multiply in integers (:mod:`models.quant_kernels`,
+        ``csrc/quant_gemm_q8.h``: VNNI on AVX-512); products of few rows keep the exact
+        float32-activation GEMV. Lossy (both); opt-in gate candidates.
 
 With float32 activations the quantized products run Sluice's kernel
 (:mod:`models.quant_kernels`, AVX-512 or AVX2, exact on the dequantized weights). A product of
@@ -70,7 +76,8 @@ Built from the folder's safetensors (the float32 weights the eager path loaded, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +88,8 @@ from models.attention import PackedStep
 from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts
 from models.cpu_linear import PackedLinear
 from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_projections, q8_0_head
-from models.lean_linear import DenseLinear, Int8Linear, int4_round_to_nearest, kernel_isa
-from models.backends.row_crossover import SwitchedLinear, set_max_quantized_rows
+from models.lean_linear import DenseLinear, Int4Linear, Int8Linear, Q8ActivationLinear, int4_round_to_nearest, kernel_isa
+from models.backends.row_crossover import SwitchedLinear, set_max_quantized_rows, set_min_prefill_rows
 from models.llama_lean import LeanGeometry, LeanLayer, LeanLlama, Linear
 
 SUPPORTED_DECODERS = ("LlamaModel",)
@@ -98,11 +105,30 @@ QuantizeFn = Callable[[int, str, torch.Tensor], Linear | None]
 
 class LeanDecoder:
     """A :class:`models.llama_lean.LeanLlama` as a decoder backend; it owns the LM head
-    (:meth:`logits`), which the runner calls instead of the model's while this backend serves."""
+    (:meth:`logits`), which the runner calls instead of the model's while this backend serves.
+    ``switched``: its products that choose by row count (quantized kinds; empty for ``lean``)."""
 
-    def __init__(self, name: str, model: LeanLlama):
+    def __init__(self, name: str, model: LeanLlama, switched: list[SwitchedLinear] | None = None):
         self.name = name
         self.model = model
+        self.switched = switched or []
+
+    @contextlib.contextmanager
+    def int8_activations_from(self, rows: int) -> Iterator[None]:
+        """While open, every product with an int8-activation path (the -q8a kinds) takes it
+        from ``rows`` rows on (those up to its ``max_rows`` still run the GEMV). For the gate's
+        accuracy check (:mod:`models.backends.decoder_gate`), whose prompts are shorter than
+        the threshold measured at build: a row's int8 rounding does not depend on the rows
+        beside it, so short prefills then show what long ones would."""
+        saved = [product.min_prefill_rows for product in self.switched]
+        for product in self.switched:
+            if product.prefill is not None:
+                product.min_prefill_rows = rows
+        try:
+            yield
+        finally:
+            for product, min_rows in zip(self.switched, saved):
+                product.min_prefill_rows = min_rows
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
         """Last hidden states ``[1, T, hidden_size]`` of the packed tokens."""
@@ -124,13 +150,18 @@ class ConcatLinear:
 
 
 def build_lean(
-    parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_quantized_rows: int | None = None
+    parts: DecoderParts, name: str, quantize: QuantizeFn | None, max_quantized_rows: int | None = None,
+    is_q8_prefill: bool = False,
 ) -> LeanDecoder:
     """The lean backend over ``parts.decoder``'s weights; ``quantize(layer, projection, weight)``
     (``layer`` -1 for the LM head) makes the quantized product of each float32 weight
     ``[out, in]``, run for products of at most ``max_quantized_rows`` rows (``None``: as many as
     pay on this machine, measured now by :func:`models.backends.row_crossover.set_max_quantized_rows`);
-    ``quantize`` ``None`` for the float32 kind.
+    ``quantize`` ``None`` for the float32 kind. With ``is_q8_prefill`` the layers' quantized
+    weights also run with int8 activations (:class:`models.lean_linear.Q8ActivationLinear`) for
+    products of at least as many rows as pay here (measured now:
+    :func:`models.backends.row_crossover.set_min_prefill_rows`); the LM head keeps float32
+    activations.
 
     Raises:
         BackendUnavailableError: not a CPU float32 Llama decoder loaded from a folder with
@@ -155,7 +186,8 @@ def build_lean(
             quantized = quantize(i, "+".join(names), torch.cat(float_weights))
             if quantized is None:
                 return dense
-            switched.append(SwitchedLinear(quantized, dense, max_quantized_rows or 0))
+            prefill = _q8_activation(quantized) if is_q8_prefill else None
+            switched.append(SwitchedLinear(quantized, dense, max_quantized_rows or 0, prefill))
             return switched[-1]
 
         layers.append(LeanLayer(
@@ -172,11 +204,20 @@ def build_lean(
         head = switched[-1]
     if switched and max_quantized_rows is None:
         set_max_quantized_rows(switched, name)
+    if is_q8_prefill:
+        set_min_prefill_rows(switched, name)
     model = LeanLlama(
         LeanGeometry.from_config(config), decoder.embed_tokens.weight.detach(), layers, decoder.norm.weight.detach(),
         decoder.rotary_emb, head,
     )
-    return LeanDecoder(name, model)
+    return LeanDecoder(name, model, switched)
+
+
+def _q8_activation(quantized: Linear) -> Linear | None:
+    """The int8-activation product of ``quantized``'s weights, where the kernel runs it."""
+    if isinstance(quantized, (Int4Linear, Int8Linear)) and quantized.isa is not None:
+        return Q8ActivationLinear(quantized)
+    return None
 
 
 def _dense(modules: list[Any], weights: list[torch.Tensor]) -> Linear:
@@ -306,7 +347,28 @@ def _lean_int4_bf16(parts: DecoderParts) -> DecoderBackend:
     return build_lean(parts, "lean-int4-bf16", _int4_factory(parts, torch.bfloat16), _quantized_rows(torch.bfloat16))
 
 
+def _q8_prefill_rows() -> int | None:
+    """:func:`_quantized_rows` of the -q8a kinds, which need the kernel.
+
+    Raises:
+        BackendUnavailableError: no kernel, or ``SLUICE_KERNEL_ISA`` is wrong.
+    """
+    max_rows = _quantized_rows(torch.float32)
+    if max_rows is not None:
+        raise BackendUnavailableError("the -q8a kinds need the quantized-product kernel (int8 activations)")
+    return max_rows
+
+
+def _lean_int8_q8a(parts: DecoderParts) -> DecoderBackend:
+    return build_lean(parts, "lean-int8-q8a", _int8_factory(torch.float32), _q8_prefill_rows(), is_q8_prefill=True)
+
+
+def _lean_int4_q8a(parts: DecoderParts) -> DecoderBackend:
+    return build_lean(parts, "lean-int4-q8a", _int4_factory(parts, torch.float32), _q8_prefill_rows(), is_q8_prefill=True)
+
+
 DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
     "lean": _lean, "lean-int8": _lean_int8, "lean-int4": _lean_int4,
     "lean-int8-bf16": _lean_int8_bf16, "lean-int4-bf16": _lean_int4_bf16,
+    "lean-int8-q8a": _lean_int8_q8a, "lean-int4-q8a": _lean_int4_q8a,
 }  # fmt: skip

@@ -1,6 +1,6 @@
 """The backend registry: a kind (``eager``, ``compiled``, ``onnx-fp32``, ``onnx-int8``, ``lean``,
-``lean-int8``, ``lean-int4``, ``lean-int8-bf16``, ``lean-int4-bf16``) to a
-factory, for encoders and for decoders.
+``lean-int8``, ``lean-int4``, ``lean-int8-bf16``, ``lean-int4-bf16``, ``lean-int8-q8a``,
+``lean-int4-q8a``) to a factory, for encoders and for decoders.
 
 Each backend module registers its own kinds (its ``ENCODER_FACTORIES`` / ``DECODER_FACTORIES``);
 this module only merges them. Importing a backend module is cheap: the heavy libraries

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import structlog
 import torch
@@ -39,21 +40,34 @@ import torch
 from models.llama_lean import Linear
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T", int, int | None)
 
 # Row counts tried, ascending: the answer is the largest before the first that does not pay.
 CROSSOVER_ROWS = (1, 2, 4, 6, 8, 12, 16)
 CROSSOVER_REPEATS = 3
+# Row counts tried for the int8-activation GEMM of the -q8a kinds: the answer is the smallest from
+# which it beats float32 at every larger one tried (a prefill chunk is rarely under 16 tokens; past
+# 128 rows the ratio to float32 no longer changes much: models/csrc/quant_gemm_q8.h).
+PREFILL_ROWS = (16, 32, 128)
 
 
 class SwitchedLinear:
-    """``quantized`` for at most ``max_rows`` rows, else ``dense`` (same product, float32 weights)."""
+    """``quantized`` for at most ``max_rows`` rows; ``prefill`` (the same weights with int8
+    activations, :class:`models.lean_linear.Q8ActivationLinear`) for at least
+    ``min_prefill_rows`` where both are set; else ``dense`` (same product, float32 weights)."""
 
-    def __init__(self, quantized: Linear, dense: Linear, max_rows: int):
-        self.quantized, self.dense, self.max_rows = quantized, dense, max_rows
+    def __init__(self, quantized: Linear, dense: Linear, max_rows: int, prefill: Linear | None = None):
+        self.quantized, self.dense, self.max_rows, self.prefill = quantized, dense, max_rows, prefill
+        self.min_prefill_rows: int | None = None
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, K]`` float32 -> ``[M, N]`` float32."""
-        return self.quantized.mm(x) if x.shape[0] <= self.max_rows else self.dense.mm(x)
+        rows = x.shape[0]
+        if rows <= self.max_rows:
+            return self.quantized.mm(x)
+        if self.prefill is not None and self.min_prefill_rows is not None and rows >= self.min_prefill_rows:
+            return self.prefill.mm(x)
+        return self.dense.mm(x)
 
 
 def measure_max_quantized_rows(
@@ -70,17 +84,8 @@ def measure_max_quantized_rows(
     in order, as a decode step streams its layers' weights, and the best of ``repeats`` passes
     per kind counts (the kinds alternate, so a burst of other load falls on both).
     """
-    best = 0
-    for r in rows:
-        inputs = [torch.randn(r, _in_features(p)) for p in products]
-        quantized_s = dense_s = float("inf")
-        for _ in range(repeats):
-            quantized_s = min(quantized_s, _pass_s([p.quantized for p in products], inputs, clock))
-            dense_s = min(dense_s, _pass_s([p.dense for p in products], inputs, clock))
-        if quantized_s >= dense_s:
-            break
-        best = r
-    return best
+    fast = [p.quantized for p in products]
+    return _last_paying(fast, products, rows, repeats, clock) or 0
 
 
 def set_max_quantized_rows(
@@ -89,13 +94,61 @@ def set_max_quantized_rows(
     """Measure (:func:`measure_max_quantized_rows`, on ``clock``) and set every product's
     ``max_rows``, which it returns; logs ``quantized_rows_measured`` with the figure and the time
     it took."""
+    return _set_measured(products, kind, "max_rows", lambda: measure_max_quantized_rows(products, clock=clock))
+
+
+def measure_min_prefill_rows(
+    products: Sequence[SwitchedLinear],
+    rows: Sequence[int] = PREFILL_ROWS,
+    repeats: int = CROSSOVER_REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int | None:
+    """The smallest of ``rows`` (ascending) such that, at it and at every larger one, running all
+    of ``products`` through their ``prefill`` (int8-activation) product takes less time than on
+    their float32 weights; ``None`` when even the largest does not pay (or no product has one).
+    Measured as :func:`measure_max_quantized_rows` does, from the largest row count down."""
+    with_prefill = [p for p in products if p.prefill is not None]
+    fast = [p.prefill for p in with_prefill if p.prefill is not None]
+    return _last_paying(fast, with_prefill, sorted(rows, reverse=True), repeats, clock) if fast else None
+
+
+def _last_paying(
+    fast: Sequence[Linear], products: Sequence[SwitchedLinear], rows: Sequence[int], repeats: int, clock: Callable[[], float]
+) -> int | None:
+    """The last of ``rows``, in their order, up to which one pass over ``fast`` (one product per
+    product of ``products``) took less time than over their ``dense`` ones at each; ``None`` when
+    the first already does not pay. Best of ``repeats`` passes, the two kinds alternating."""
+    best = None
+    for r in rows:
+        inputs = [torch.randn(r, _in_features(p)) for p in products]
+        fast_s = dense_s = float("inf")
+        for _ in range(repeats):
+            fast_s = min(fast_s, _pass_s(fast, inputs, clock))
+            dense_s = min(dense_s, _pass_s([p.dense for p in products], inputs, clock))
+        if fast_s >= dense_s:
+            break
+        best = r
+    return best
+
+
+def set_min_prefill_rows(
+    products: Sequence[SwitchedLinear], kind: str, clock: Callable[[], float] = time.perf_counter
+) -> int | None:
+    """Measure (:func:`measure_min_prefill_rows`) and set every product's ``min_prefill_rows``,
+    which it returns; logs ``min_prefill_rows_measured``."""
+    return _set_measured(products, kind, "min_prefill_rows", lambda: measure_min_prefill_rows(products, clock=clock))
+
+
+def _set_measured(products: Sequence[SwitchedLinear], kind: str, field: str, measure: Callable[[], T]) -> T:
+    """``measure()`` set as ``field`` of every product; logs ``<field>_measured`` with the figure."""
     started = time.perf_counter()
-    max_rows = measure_max_quantized_rows(products, clock=clock)
+    value = measure()
     for product in products:
-        product.max_rows = max_rows
-    log.info("quantized_rows_measured", backend=kind, max_quantized_rows=max_rows,
+        setattr(product, field, value)
+    event = "quantized_rows_measured" if field == "max_rows" else f"{field}_measured"
+    log.info(event, backend=kind, **{"max_quantized_rows" if field == "max_rows" else field: value},
              num_threads=torch.get_num_threads(), duration_s=round(time.perf_counter() - started, 3))  # fmt: skip
-    return max_rows
+    return value
 
 
 def _pass_s(linears: Sequence[Linear], inputs: Sequence[torch.Tensor], clock: Callable[[], float]) -> float:

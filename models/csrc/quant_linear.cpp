@@ -37,8 +37,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #define SLUICE_INLINE inline __attribute__((always_inline))
@@ -97,8 +99,24 @@ SLUICE_INLINE F16 int8x16(const int8_t* p) {
 }
 
 #include __FILE__
+#define SLUICE_Q8_LEVEL 2
+#include "quant_gemm_q8.h"
+#undef SLUICE_Q8_LEVEL
 
 }  // namespace avx512
+}  // namespace
+#pragma GCC pop_options
+
+// The prefill GEMM once more with vpdpbusd: a namespace of its own, since with avx512vnni enabled
+// GCC may turn vpmaddwd + vpaddd anywhere in the code into VNNI's vpdpwssd.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")
+namespace {
+namespace avx512vnni {
+#define SLUICE_Q8_LEVEL 3
+#include "quant_gemm_q8.h"
+#undef SLUICE_Q8_LEVEL
+}  // namespace avx512vnni
 }  // namespace
 #pragma GCC pop_options
 
@@ -139,6 +157,9 @@ SLUICE_INLINE F16 int8x16(const int8_t* p) {
 }
 
 #include __FILE__
+#define SLUICE_Q8_LEVEL 1
+#include "quant_gemm_q8.h"
+#undef SLUICE_Q8_LEVEL
 
 }  // namespace avx2
 }  // namespace
@@ -149,16 +170,17 @@ namespace {
 template <typename Weights>
 struct Kernels {
   void (*gemv)(const float*, int64_t, int64_t, float*, int64_t, int64_t, const Weights&);
+  void (*gemm_q8)(const float*, int64_t, int64_t, float*, const Weights&);
 };
 
-Kernels<Int4Weights> int4_kernels(Isa isa) {
-  if (isa == Isa::kAvx512) return {avx512::int4_gemv};
-  return {avx2::int4_gemv};
+Kernels<Int4Weights> int4_kernels(Isa isa, bool vnni = false) {
+  if (isa == Isa::kAvx512) return {avx512::int4_gemv, vnni ? avx512vnni::int4_gemm_q8 : avx512::int4_gemm_q8};
+  return {avx2::int4_gemv, avx2::int4_gemm_q8};
 }
 
-Kernels<Int8Weights> int8_kernels(Isa isa) {
-  if (isa == Isa::kAvx512) return {avx512::int8_gemv};
-  return {avx2::int8_gemv};
+Kernels<Int8Weights> int8_kernels(Isa isa, bool vnni = false) {
+  if (isa == Isa::kAvx512) return {avx512::int8_gemv, vnni ? avx512vnni::int8_gemm_q8 : avx512::int8_gemm_q8};
+  return {avx2::int8_gemv, avx2::int8_gemm_q8};
 }
 
 bool isa_supported(Isa isa) {
@@ -168,6 +190,11 @@ bool isa_supported(Isa isa) {
     return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
   return avx2;
+}
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return isa_supported(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
 }
 
 Isa checked_isa(int64_t value) {
@@ -183,21 +210,26 @@ void check_x(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be on the CPU");
 }
 
-// y [M, N] = x @ W.T, the output channels split over the threads.
+// y [M, N] = x @ W.T: the GEMV (float32 x, the output channels split over the threads), or with
+// is_q8 the int8-activation GEMM (quant_gemm_q8.h, its own tiling and threads).
 template <typename Weights>
-torch::Tensor run_product(const torch::Tensor& x_in, int64_t n, const Weights& w, const Kernels<Weights>& kernels) {
+torch::Tensor run_product(const torch::Tensor& x_in, int64_t n, const Weights& w, const Kernels<Weights>& kernels,
+                          bool is_q8 = false) {
   const torch::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0);
   torch::Tensor out = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, kGrainChannels, [&](int64_t c0, int64_t c1) { kernels.gemv(xp, rows, n, op, c0, c1, w); });
+  if (is_q8)
+    kernels.gemm_q8(xp, rows, n, op, w);
+  else
+    at::parallel_for(0, n, kGrainChannels, [&](int64_t c0, int64_t c1) { kernels.gemv(xp, rows, n, op, c0, c1, w); });
   return out;
 }
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q4, const torch::Tensor& d, const torch::Tensor& m,
-                          int64_t isa) {
+// The int4 weights of the Python call, checked against each other and against x.
+Int4Weights int4_weights(const torch::Tensor& x, const torch::Tensor& q4, const torch::Tensor& d, const torch::Tensor& m) {
   TORCH_CHECK_TYPE(q4.scalar_type() == torch::kUInt8, "q4 must be uint8, got ", q4.scalar_type());
   TORCH_CHECK_TYPE(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32, "d and m must be float32");
   TORCH_CHECK_VALUE(q4.dim() == 2 && q4.is_contiguous() && d.is_contiguous() && m.is_contiguous(),
@@ -207,11 +239,11 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q4, const
   TORCH_CHECK_VALUE(d.sizes() == m.sizes() && d.dim() == 2 && d.size(0) == n && d.size(1) == k / kGroup,
                     "d and m must be [N=", n, ", K / 32=", k / kGroup, "], got ", d.sizes(), " and ", m.sizes());
   check_x(x, k);
-  const Int4Weights w{q4.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), k};
-  return run_product(x, n, w, int4_kernels(checked_isa(isa)));
+  return Int4Weights{q4.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), k};
 }
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const torch::Tensor& s, int64_t isa) {
+// The int8 weights of the Python call, checked against each other and against x.
+Int8Weights int8_weights(const torch::Tensor& x, const torch::Tensor& q8, const torch::Tensor& s) {
   TORCH_CHECK_TYPE(q8.scalar_type() == torch::kInt8, "q8 must be int8, got ", q8.scalar_type());
   TORCH_CHECK_TYPE(s.scalar_type() == torch::kFloat32, "s must be float32, got ", s.scalar_type());
   TORCH_CHECK_VALUE(q8.dim() == 2 && q8.is_contiguous() && s.dim() == 2 && s.is_contiguous(),
@@ -224,8 +256,37 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
                     "the group must be in_features or a power-of-two multiple of 32, got ", k / scales);
   check_x(x, k);
   const int64_t shift = scales == 1 ? -1 : __builtin_ctzll(static_cast<uint64_t>(blocks_per_scale));
-  const Int8Weights w{q8.data_ptr<int8_t>(), s.data_ptr<float>(), k, scales, shift};
-  return run_product(x, n, w, int8_kernels(checked_isa(isa)));
+  return Int8Weights{q8.data_ptr<int8_t>(), s.data_ptr<float>(), k, scales, shift};
+}
+
+// The q8 GEMM's path: vnni asks for vpdpbusd (AVX-512 only, where the CPU has it).
+bool checked_vnni(Isa isa, bool vnni) {
+  TORCH_CHECK_VALUE(!vnni || (isa == Isa::kAvx512 && has_vnni()), "vnni needs isa 2 (avx512) on a CPU with AVX-512 VNNI");
+  return vnni;
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q4, const torch::Tensor& d, const torch::Tensor& m,
+                          int64_t isa) {
+  const Int4Weights w = int4_weights(x, q4, d, m);
+  return run_product(x, q4.size(0), w, int4_kernels(checked_isa(isa)));
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const torch::Tensor& s, int64_t isa) {
+  const Int8Weights w = int8_weights(x, q8, s);
+  return run_product(x, q8.size(0), w, int8_kernels(checked_isa(isa)));
+}
+
+torch::Tensor int4_linear_q8(const torch::Tensor& x, const torch::Tensor& q4, const torch::Tensor& d, const torch::Tensor& m,
+                             int64_t isa, bool vnni) {
+  const Int4Weights w = int4_weights(x, q4, d, m);
+  const Isa level = checked_isa(isa);
+  return run_product(x, q4.size(0), w, int4_kernels(level, checked_vnni(level, vnni)), true);
+}
+
+torch::Tensor int8_linear_q8(const torch::Tensor& x, const torch::Tensor& q8, const torch::Tensor& s, int64_t isa, bool vnni) {
+  const Int8Weights w = int8_weights(x, q8, s);
+  const Isa level = checked_isa(isa);
+  return run_product(x, q8.size(0), w, int8_kernels(level, checked_vnni(level, vnni)), true);
 }
 
 // RMSNorm of one row: out = x / sqrt(mean(x^2) + eps) * w (Hugging Face's LlamaRMSNorm in float32;
@@ -298,6 +359,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("x"), pybind11::arg("q4"), pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("isa"), ReleaseGil());
   module.def("int8_linear", &int8_linear, "x [M, K] f32 @ (s * q).T, q8 [N, K] i8, s [N, K/group] f32", pybind11::arg("x"),
              pybind11::arg("q8"), pybind11::arg("s"), pybind11::arg("isa"), ReleaseGil());
+  module.def("int4_linear_q8", &int4_linear_q8, "int4_linear with x quantized to int8 per row and group of 32",
+             pybind11::arg("x"), pybind11::arg("q4"), pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("isa"),
+             pybind11::arg("vnni"), ReleaseGil());
+  module.def("int8_linear_q8", &int8_linear_q8, "int8_linear with x quantized to int8 per row and group of 32",
+             pybind11::arg("x"), pybind11::arg("q8"), pybind11::arg("s"), pybind11::arg("isa"), pybind11::arg("vnni"),
+             ReleaseGil());
+  module.def("has_vnni", &has_vnni, "whether this CPU runs the q8 GEMM's AVX-512 VNNI path");
   module.def("rms_norm", &rms_norm, "x [T, H] f32 rows / sqrt(mean(x^2) + eps) * w", pybind11::arg("x"), pybind11::arg("w"),
              pybind11::arg("eps"), ReleaseGil());
   module.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then rms_norm(x, w, eps)", pybind11::arg("x"),

@@ -72,7 +72,8 @@ def test_the_same_fallback_wraps_a_decoder_and_passes_every_input_through() -> N
 
 def test_the_registry_maps_every_kind_and_refuses_unknown_ones() -> None:
     assert set(ENCODER_FACTORIES) == {"eager", "compiled", "onnx-fp32", "onnx-int8"}
-    assert set(DECODER_FACTORIES) == {"eager", "compiled", "lean", "lean-int8", "lean-int4", "lean-int8-bf16", "lean-int4-bf16"}
+    assert set(DECODER_FACTORIES) == {"eager", "compiled", "lean", "lean-int8", "lean-int4", "lean-int8-bf16", "lean-int4-bf16",
+                                     "lean-int8-q8a", "lean-int4-q8a"}
     assert set(CONFIGURED_KINDS.values()) <= set(ENCODER_FACTORIES) | set(DECODER_FACTORIES)
     assert CONFIGURED_KINDS[("onnx", "int8")] == "onnx-int8"
     parts = EncoderParts(model=None, folder=Path("."), cache_dir=Path("."), num_threads=1, device="cpu")

@@ -83,7 +83,7 @@ def test_int8_and_int4_products_stay_within_half_a_quantization_step() -> None:
 def test_lean_kinds_are_registered_and_configurable() -> None:
     from models.backends.registry import CONFIGURED_KINDS, DECODER_FACTORIES
 
-    assert {"lean", "lean-int8", "lean-int4"} <= set(DECODER_FACTORIES)
+    assert {"lean", "lean-int8", "lean-int4", "lean-int4-q8a", "lean-int8-q8a"} <= set(DECODER_FACTORIES)
     assert CONFIGURED_KINDS[("lean", "none")] == "lean" and CONFIGURED_KINDS[("lean", "int4")] == "lean-int4"
 
 
@@ -142,8 +142,9 @@ def teacher_forced_logits(runner: Any, prompt: list[int], continuation: list[int
     return torch.cat(rows).float()
 
 
-@pytest.mark.parametrize("kind", ["lean-int8", "lean-int8-bf16", "lean-int4-bf16"])
-def test_lossy_kinds_decode_logits_agree_with_eager_within_the_thresholds(smollm2: Any, kind: str) -> None:
+def agreement_with_eager(smollm2: Any, kind: str) -> tuple[float, float]:
+    """Top-1 agreement and mean KL(eager || kind), nats, of ``kind``'s logits teacher-forced
+    along eager's greedy tokens (the prompts prefilled, then one decode per token)."""
     from models.causal_lm import CausalLMRunner
 
     model, prompts, num_blocks, want = smollm2
@@ -155,9 +156,39 @@ def test_lossy_kinds_decode_logits_agree_with_eager_within_the_thresholds(smollm
         got = torch.log_softmax(teacher_forced_logits(lossy, prompt, tokens), dim=-1)
         agree.append((got.argmax(-1) == reference.argmax(-1)).float())
         kls.append((reference.exp() * (reference - got)).sum(-1))
-    agreement, mean_kl = float(torch.cat(agree).mean()), float(torch.cat(kls).mean())
+    return float(torch.cat(agree).mean()), float(torch.cat(kls).mean())
+
+
+@pytest.mark.parametrize("kind", ["lean-int8", "lean-int8-bf16", "lean-int4-bf16"])
+def test_lossy_kinds_decode_logits_agree_with_eager_within_the_thresholds(smollm2: Any, kind: str) -> None:
+    agreement, mean_kl = agreement_with_eager(smollm2, kind)
     assert agreement >= INT8_MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.3f}"
     assert mean_kl <= INT8_MAX_MEAN_KL_NATS, f"mean KL {mean_kl:.4f} nats"
+
+
+@pytest.mark.parametrize("kind", ["lean-int4-q8a", "lean-int8-q8a"])
+def test_int8_activation_kinds_prefill_within_the_gates_rule(smollm2: Any, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompts are shorter than the prefill row count measured at build: from 2 rows on,
+    every layer product of the prefills runs with int8 activations (the decodes, one row, on
+    the exact GEMV), and the gate's default rule must still hold."""
+    import models.backends.lean as lean
+    from models.quant_kernels import supported_isas
+
+    if not supported_isas():
+        pytest.skip("the int8-activation kinds need the C++ kernel")
+    switched: list[Any] = []
+
+    def from_two_rows(products: list[Any], kind: str) -> int:
+        switched.extend(products)
+        for product in products:
+            product.min_prefill_rows = 2
+        return 2
+
+    monkeypatch.setattr(lean, "set_min_prefill_rows", from_two_rows)
+    agreement, mean_kl = agreement_with_eager(smollm2, kind)
+    assert sum(p.prefill is not None for p in switched) == 4 * NUM_DECODER_LAYERS
+    assert agreement >= INT8_MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.3f}"
+    assert 0 < mean_kl <= INT8_MAX_MEAN_KL_NATS, f"mean KL {mean_kl:.4f} nats"
 
 
 def test_bfloat16_activations_give_float32_results_within_bfloat16_rounding() -> None:
@@ -209,3 +240,25 @@ def test_the_decoder_gate_measures_lean_kinds_by_their_exactness(smollm2: Any) -
     assert exact["quantized"] is False and exact["tokens_identical"] is True and "error" not in exact
     assert lossy["quantized"] is True and lossy["top1_agreement"] >= INT8_MIN_TOP1_AGREEMENT
     assert 0 <= lossy["mean_kl_nats"] <= INT8_MAX_MEAN_KL_NATS and len(lossy["candidate_repeats_ms"]) == 2
+
+
+def test_the_gate_checks_an_int8_activation_kind_with_its_prefills_on_int8(smollm2: Any) -> None:
+    """The gate's prompts are shorter than the prefill threshold measured at build: its accuracy
+    check lowers it (a KL above 0 shows the int8 path ran), and restores it after."""
+    from models.backends.decoder_gate import measure_decoder
+    from models.backends.lean import LeanDecoder
+    from models.causal_lm import CausalLMRunner
+    from models.quant_kernels import supported_isas
+
+    if not supported_isas():
+        pytest.skip("the int8-activation kinds need the C++ kernel")
+    model, prompts, num_blocks, _ = smollm2
+    (result,) = measure_decoder(model, [(1, 8), (2, 1)], 8, BLOCK_SIZE, ["lean-int4-q8a"], 1, prompts[:2], 4)
+    assert result["quantized"] is True and "error" not in result
+    assert result["top1_agreement"] >= INT8_MIN_TOP1_AGREEMENT and 0 < result["mean_kl_nats"] <= INT8_MAX_MEAN_KL_NATS
+    backend = CausalLMRunner(model, num_blocks, BLOCK_SIZE, backend="lean-int4-q8a").primary_backend
+    assert isinstance(backend, LeanDecoder)
+    measured = [p.min_prefill_rows for p in backend.switched]
+    with backend.int8_activations_from(2):
+        assert all(p.min_prefill_rows == 2 for p in backend.switched if p.prefill is not None)
+    assert [p.min_prefill_rows for p in backend.switched] == measured

@@ -8,7 +8,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models.backends.row_crossover import SwitchedLinear, measure_max_quantized_rows, set_max_quantized_rows
+from models.backends.row_crossover import (
+    SwitchedLinear,
+    measure_max_quantized_rows,
+    measure_min_prefill_rows,
+    set_max_quantized_rows,
+)
 
 
 class FakeClock:
@@ -110,3 +115,35 @@ def test_set_max_quantized_rows_sets_every_product_and_the_switch_follows_it() -
     products[0].mm(torch.zeros(7, 8))
     assert products[0].quantized.calls[-1] == 6  # type: ignore[attr-defined]
     assert products[0].dense.calls[-1] == 7  # type: ignore[attr-defined]
+
+
+def with_prefill(clock: FakeClock, prefill_cost: Callable[[int], float], dense_cost: Callable[[int], float]) -> SwitchedLinear:
+    return SwitchedLinear(CostedLinear(clock, lambda r: 0.0), CostedLinear(clock, dense_cost), 0, CostedLinear(clock, prefill_cost))
+
+
+def test_the_prefill_threshold_is_the_smallest_row_count_from_which_int8_activations_always_pay() -> None:
+    clock = FakeClock()
+    # The int8-activation GEMM costs 2.0 + 0.5 per row, float32 1.0 per row: it pays above 4 rows.
+    products = [with_prefill(clock, lambda r: 2.0 + 0.5 * r, lambda r: 1.0 * r) for _ in range(2)]
+    assert measure_min_prefill_rows(products, rows=(2, 8, 32), repeats=1, clock=clock) == 8
+    assert products[0].prefill.calls == [32, 8, 2]  # type: ignore[union-attr]
+
+
+def test_no_prefill_threshold_when_the_largest_row_count_does_not_pay_or_nothing_has_one() -> None:
+    clock = FakeClock()
+    assert measure_min_prefill_rows([with_prefill(clock, lambda r: 2.0 * r, lambda r: 1.0 * r)], rows=(2, 8), clock=clock) is None
+    assert measure_min_prefill_rows([switched(clock, lambda r: 1.0, lambda r: 1.0)], rows=(2, 8), clock=clock) is None
+
+
+def test_rows_go_to_the_gemv_the_float32_product_or_int8_activations_by_count() -> None:
+    clock = FakeClock()
+    product = with_prefill(clock, lambda r: 0.0, lambda r: 0.0)
+    product.max_rows = 2
+    for rows in (1, 2, 3, 16):
+        product.mm(torch.zeros(rows, 8))
+    assert product.dense.calls == [3, 16]  # type: ignore[attr-defined]
+    product.min_prefill_rows = 8
+    for rows in (2, 3, 8, 16):
+        product.mm(torch.zeros(rows, 8))
+    assert product.quantized.calls == [1, 2, 2]  # type: ignore[attr-defined]
+    assert product.dense.calls == [3, 16, 3] and product.prefill.calls == [8, 16]  # type: ignore[attr-defined, union-attr]
