@@ -29,8 +29,10 @@ class ContinuousBatcherSettings:
     ``priority - waited_s / priority_aging_s`` (see :mod:`policies.priority`).
 
     ``chunked_prefill``: ``stall_free`` gives a step with decodes running only the prefill tokens
-    that keep it within ``tpot_target_ms`` (``None``: twice the measured decode-only step), from
-    a step-time model fit online (:mod:`policies.step_time`), never fewer than ``block_size``;
+    that keep it within ``tpot_target_ms`` (``None``: three times the measured decode-only step), from
+    a step-time model fit online (:mod:`policies.step_time`), never fewer than four blocks
+    under the default target (:data:`buckets.continuous.STALL_FREE_MIN_PREFILL_BLOCKS`), one
+    under a configured one;
     ``fixed`` lets prefill fill ``max_num_batched_tokens``."""
 
     max_num_seqs: int

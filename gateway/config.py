@@ -101,8 +101,8 @@ class ContinuousBatcherConfig(_Strict):
     priority_aging_s: float = Field(default=10.0, gt=0, le=86_400)
     enable_prefix_caching: bool = True
     # Stall-free chunked prefill (Sarathi-Serve): with decodes running, a step takes only the
-    # prefill tokens that keep it within tpot_target_ms (None: twice the measured decode-only
-    # step), from a step-time model fit online; fixed: prefill fills max_num_batched_tokens.
+    # prefill tokens that keep it within tpot_target_ms (None: three times the measured
+    # decode-only step, at least four blocks; a set target, at least one block), from a step-time model fit online; fixed: prefill fills max_num_batched_tokens.
     # The per-step target, apart from slo.tpot_p95_ms (which drives the max_num_seqs tuner).
     chunked_prefill: Literal["stall_free", "fixed"] = "stall_free"
     tpot_target_ms: float | None = Field(default=None, gt=0, le=60_000)

@@ -29,7 +29,8 @@ chunks get ``T - predict(D, 0, K)`` seconds, each chunk the most tokens ``n`` wh
 ``per_prefill_token_s * n + per_attended_pair_s * attended_pairs(p, n)`` fits what is left
 (:class:`PrefillRoom`), within ``max_tokens`` and never, over the step, fewer than
 ``min_tokens``. With no decode running the room is ``max_tokens`` alone (nobody waits). With no
-target configured, ``T`` is twice the predicted decode-only step with the same decodes. Pure
+target configured, ``T`` is ``decode_only_factor`` times the predicted decode-only step
+with the same decodes (the batcher passes 3: :data:`buckets.continuous.STALL_FREE_DECODE_FACTOR`). Pure
 arithmetic: the caller feeds step durations it measured with its own clock.
 """
 

@@ -248,3 +248,17 @@ def test_switching_the_mode_at_run_time_keeps_the_fitted_model() -> None:
     before = len(runner.plans)
     batcher.step()
     assert runner.plans[before] == (4, 31)  # 32 ms of room: 31 tokens with their attention
+
+
+def test_the_default_target_gets_a_floor_of_four_blocks_and_a_set_one_of_one() -> None:
+    from buckets.continuous import STALL_FREE_DECODE_FACTOR, STALL_FREE_MIN_PREFILL_BLOCKS
+
+    batcher, _ = timed_batcher()
+    assert batcher.step_budget.min_prefill_tokens == STALL_FREE_MIN_PREFILL_BLOCKS * BLOCK_SIZE
+    assert batcher.step_budget.decode_only_factor == STALL_FREE_DECODE_FACTOR
+    batcher.update_settings(ContinuousBatcherSettings(8, 1024, BLOCK_SIZE, tpot_target_ms=50.0))
+    batcher.step()  # settings apply at the next step
+    assert batcher.step_budget.min_prefill_tokens == BLOCK_SIZE
+    batcher.update_settings(ContinuousBatcherSettings(8, 1024, BLOCK_SIZE))
+    batcher.step()
+    assert batcher.step_budget.min_prefill_tokens == STALL_FREE_MIN_PREFILL_BLOCKS * BLOCK_SIZE
