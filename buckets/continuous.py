@@ -146,6 +146,18 @@ class ContinuousBatcher:
         )
 
     @property
+    def num_running(self) -> int:
+        """Sequences running (decoding, or between prefill chunks); read on the worker thread."""
+        return len(self.scheduler.running)
+
+    def watch_neighbours(self, num_running: Callable[[], int]) -> None:
+        """Count ``num_running()`` (the sequences of the other buckets on this bucket's slice,
+        which wait out each of its steps) as decodes a step without decodes of its own must not
+        stall past the stall-free target (:class:`policies.step_time.StallFreeBudget`). Called
+        by the slice; ``num_running`` is called on the worker thread."""
+        self.step_budget.neighbour_decodes = num_running
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """The most tokens (prompt + ``max_tokens``) one request may need: the whole KV pool."""
         return self.scheduler.kv_capacity_tokens

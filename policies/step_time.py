@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _NUM_COEFFICIENTS = 4  # base, per decode token, per prefill token, per attended pair
@@ -312,6 +313,9 @@ class StallFreeBudget:
         self.model = model or StepTimeModel()
         self.decode_only_factor = decode_only_factor
         self.last_target_s: float | None = None  # the target of the last step opened
+        # Sequences of other buckets on the same slice that decode and wait out this bucket's
+        # steps (the slice's worker steps one bucket at a time); None: no neighbours.
+        self.neighbour_decodes: Callable[[], int] | None = None
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, num_attended_pairs: int, seconds: float) -> None:
         """Feed one step's measured duration to the model (the batcher, after each forward)."""
@@ -327,11 +331,18 @@ class StallFreeBudget:
     def open_step(self, num_decode_tokens: int, num_attended_pairs: int, max_tokens: int) -> PrefillRoom:
         """The prefill room of a step whose decodes (``num_decode_tokens`` of them, attending
         ``num_attended_pairs``) are scheduled, with ``max_tokens`` of the step's cap left (called
-        by the scheduler once per step). No time limit when nothing decodes or nothing is known
+        by the scheduler once per step). No time limit when nothing decodes, here or in a bucket
+        beside it on the slice (:attr:`neighbour_decodes`), or nothing is known
         yet (no fit, or no prefill seen)."""
         fit = self.model.fit
-        target = self.last_target_s = self.target_s(num_decode_tokens, num_attended_pairs)
-        if num_decode_tokens <= 0 or fit is None or not fit.has_prefill or fit.per_prefill_token_s <= 0 or target is None:
+        # A step with no decodes of its own still stalls a neighbour's decoding streams: it is then
+        # held to the target of a step with their decodes (this bucket's model predicting them).
+        waiting = num_decode_tokens if num_decode_tokens > 0 else self._num_neighbour_decodes()
+        target = self.last_target_s = self.target_s(waiting, num_attended_pairs) if waiting > 0 else None
+        if waiting <= 0 or fit is None or not fit.has_prefill or fit.per_prefill_token_s <= 0 or target is None:
             return PrefillRoom(None, None, max_tokens, self.min_prefill_tokens)
         room_s = target - fit.predict_s(num_decode_tokens, 0, num_attended_pairs)
         return PrefillRoom(fit, room_s, max_tokens, self.min_prefill_tokens)
+
+    def _num_neighbour_decodes(self) -> int:
+        return self.neighbour_decodes() if self.neighbour_decodes is not None else 0

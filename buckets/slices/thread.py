@@ -12,6 +12,7 @@ out ``max_queue_delay`` sets how long the worker sleeps.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any, Callable
 import structlog
 
 from buckets.batcher import Batcher
+from buckets.continuous import ContinuousBatcher
 from buckets.request import Request
 from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState
 from buckets.stats import BatchObserver, BucketStats
@@ -84,6 +86,8 @@ class ThreadSlice:
     def attach(self, key: BucketKey, spec: BucketSpec) -> None:
         """Build bucket ``key``'s batcher (``spec.make_batcher``: slow) and step it from now on."""
         batcher = spec.make_batcher()
+        if isinstance(batcher, ContinuousBatcher):
+            batcher.watch_neighbours(functools.partial(self._num_running_beside, batcher))
         with self._wake:
             self._batchers[key] = batcher
             self._backend_info[key] = spec.backend_info
@@ -103,6 +107,11 @@ class ThreadSlice:
             while self._stepping is batcher:
                 self._wake.wait()
         batcher.shutdown()
+
+    def _num_running_beside(self, batcher: ContinuousBatcher) -> int:
+        """The sequences the slice's other continuous batchers run: they wait out each step of
+        ``batcher`` (the worker steps one bucket at a time). Worker thread."""
+        return sum(b.num_running for b in list(self._batchers.values()) if b is not batcher and isinstance(b, ContinuousBatcher))
 
     def submit(self, key: BucketKey, request: Request) -> None:
         """Queue ``request`` on bucket ``key``'s batcher and wake the worker (thread-safe); a

@@ -262,3 +262,19 @@ def test_the_default_target_gets_a_floor_of_four_blocks_and_a_set_one_of_one() -
     batcher.update_settings(ContinuousBatcherSettings(8, 1024, BLOCK_SIZE))
     batcher.step()
     assert batcher.step_budget.min_prefill_tokens == STALL_FREE_MIN_PREFILL_BLOCKS * BLOCK_SIZE
+
+
+def test_a_thread_slice_shows_each_continuous_batcher_its_neighbours_running_sequences() -> None:
+    from buckets.slices.thread import ThreadSlice
+
+    device_slice = ThreadSlice("s", "cpu", num_threads=1)  # never started: the test steps the batchers
+    (first, _), (second, _) = timed_batcher(), timed_batcher()
+    for name, batcher in (("a", first), ("b", second)):
+        device_slice.attach(("m", name, 0), SimpleNamespace(make_batcher=lambda b=batcher: b, backend_info={}))
+    assert first.step_budget.neighbour_decodes is not None and second.step_budget.neighbour_decodes is not None
+    for i in range(3):
+        second.submit(make_request(8, max_tokens=50, name=f"r{i}", first_token=10 * i + 1, ignore_eos=True))
+    second.step()
+    assert second.num_running == 3
+    assert first.step_budget.neighbour_decodes() == 3  # the other bucket's sequences wait out first's steps
+    assert second.step_budget.neighbour_decodes() == 0

@@ -201,3 +201,18 @@ def test_budget_arguments_are_checked() -> None:
         StallFreeBudget(0.0, 16)
     with pytest.raises(ValueError, match="min_prefill_tokens"):
         StallFreeBudget(None, 0)
+
+
+def test_a_step_without_decodes_is_held_to_the_target_of_its_neighbours_decodes() -> None:
+    """The slice steps one bucket at a time: another bucket's 4 running sequences wait out a step
+    of this one even when it decodes nothing itself."""
+    budget = fed_budget(None)
+    neighbours = {"running": 4}
+    budget.neighbour_decodes = lambda: neighbours["running"]
+    room = budget.open_step(0, 0, 1024)
+    # Target: twice a 4-decode step (36 ms); this step has no decodes: 36 - 10 ms base = 26 tokens.
+    assert budget.last_target_s == pytest.approx(0.036)
+    assert room.tokens_for(0, 2000) == 26
+    neighbours["running"] = 0
+    assert budget.open_step(0, 0, 1024).tokens_for(0, 2000) == 1024  # nobody waits: no time limit
+    assert budget.last_target_s is None
