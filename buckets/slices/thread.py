@@ -86,8 +86,8 @@ class ThreadSlice:
     def attach(self, key: BucketKey, spec: BucketSpec) -> None:
         """Build bucket ``key``'s batcher (``spec.make_batcher``: slow) and step it from now on."""
         batcher = spec.make_batcher()
-        if isinstance(batcher, ContinuousBatcher):
-            batcher.watch_neighbours(functools.partial(self._num_running_beside, batcher))
+        if isinstance(batcher, ContinuousBatcher):  # by key: a detached batcher then holds no cycle through the slice
+            batcher.watch_neighbours(functools.partial(self._num_running_beside, key))
         with self._wake:
             self._batchers[key] = batcher
             self._backend_info[key] = spec.backend_info
@@ -108,10 +108,10 @@ class ThreadSlice:
                 self._wake.wait()
         batcher.shutdown()
 
-    def _num_running_beside(self, batcher: ContinuousBatcher) -> int:
+    def _num_running_beside(self, key: BucketKey) -> int:
         """The sequences the slice's other continuous batchers run: they wait out each step of
-        ``batcher`` (the worker steps one bucket at a time). Worker thread."""
-        return sum(b.num_running for b in list(self._batchers.values()) if b is not batcher and isinstance(b, ContinuousBatcher))
+        bucket ``key``'s (the worker steps one bucket at a time). Worker thread."""
+        return sum(b.num_running for k, b in list(self._batchers.items()) if k != key and isinstance(b, ContinuousBatcher))
 
     def submit(self, key: BucketKey, request: Request) -> None:
         """Queue ``request`` on bucket ``key``'s batcher and wake the worker (thread-safe); a

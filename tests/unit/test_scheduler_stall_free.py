@@ -278,3 +278,26 @@ def test_a_thread_slice_shows_each_continuous_batcher_its_neighbours_running_seq
     assert second.num_running == 3
     assert first.step_budget.neighbour_decodes() == 3  # the other bucket's sequences wait out first's steps
     assert second.step_budget.neighbour_decodes() == 0
+
+
+def test_a_detached_batcher_is_freed_without_the_cycle_collector() -> None:
+    """The gateway freezes its heap (gc.freeze) after start, so a bucket whose batcher sat in a
+    reference cycle would never give its weights and KV pool back when unloaded."""
+    import gc
+    import weakref
+
+    from buckets.slices.thread import ThreadSlice
+
+    device_slice = ThreadSlice("s", "cpu", num_threads=1)
+    batcher, _ = timed_batcher()
+    device_slice.attach(("m", "a", 0), SimpleNamespace(make_batcher=lambda: batcher, backend_info={}))
+    other, _ = timed_batcher()
+    device_slice.attach(("m", "b", 0), SimpleNamespace(make_batcher=lambda: other, backend_info={}))
+    gone = weakref.ref(batcher)
+    gc.disable()
+    try:
+        device_slice.detach(("m", "a", 0))
+        del batcher
+        assert gone() is None, "the detached batcher is still referenced (a cycle through the slice?)"
+    finally:
+        gc.enable()
