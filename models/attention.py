@@ -117,23 +117,18 @@ def attend_packed(step: PackedStep, layer: int, query: torch.Tensor, key: torch.
     """
     step.kv_cache.write(layer, step.slot_mapping, key, value)
     num_decode = step.num_decode_tokens
-    if not step.prefills:  # decodes only: the kernel's output is the whole answer
-        return paged_decode_attention(
-            query.contiguous(), step.kv_cache.key_cache(layer), step.kv_cache.value_cache(layer), step.block_tables,
-            step.context_lens, scale, step.kv_cache.key_scales(layer), step.kv_cache.value_scales(layer),
-        )
-    out = query.new_empty(query.shape)
+    decoded = None
     if num_decode:
-        out[:num_decode] = paged_decode_attention(
-            query[:num_decode].contiguous(),
-            step.kv_cache.key_cache(layer),
-            step.kv_cache.value_cache(layer),
-            step.block_tables,
-            step.context_lens,
-            scale,
-            step.kv_cache.key_scales(layer),
-            step.kv_cache.value_scales(layer),
+        cache = step.kv_cache
+        decoded = paged_decode_attention(
+            query[:num_decode].contiguous(), cache.key_cache(layer), cache.value_cache(layer), step.block_tables,
+            step.context_lens, scale, cache.key_scales(layer), cache.value_scales(layer),
         )
+        if not step.prefills:  # decodes only: the kernel's output is the whole answer
+            return decoded
+    out = query.new_empty(query.shape)
+    if decoded is not None:
+        out[:num_decode] = decoded
     for seg in step.prefills:
         end = seg.start + seg.num_tokens
         if seg.position == 0:
