@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from models.step_io import SamplingParams, TokenLogprobs
+from models.step_io import LoraRequest, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,10 @@ class GenerationRequest(Request):
     many alternatives (0 to 20); ``needs_prompt_logprobs`` also asks for the prompt tokens'
     (with as many alternatives, on every choice), which the scheduler computes without the
     prefix cache.
+
+    ``lora`` (``None``: the base model) is the LoRA adapter every choice runs with: the
+    scheduler gives it a runner slot while the sequence runs, and keys its prefix-cached blocks
+    by the adapter, so the same prompt under two adapters never shares KV.
     """
 
     max_tokens: int = 16
@@ -164,6 +168,7 @@ class GenerationRequest(Request):
     n: int = 1
     num_top_logprobs: int | None = None
     needs_prompt_logprobs: bool = False
+    lora: LoraRequest | None = None
 
     @property
     def num_seqs(self) -> int:

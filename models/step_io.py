@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
 
 
 GREEDY_TEMPERATURE = 1e-5
@@ -88,6 +89,26 @@ class SamplingParams:
         return self.needs_history or bool(self.logit_bias)
 
 
+@dataclass(frozen=True, eq=False)
+class LoraRequest:
+    """The LoRA adapter a generation request runs with (``None`` on a request: the base model).
+
+    Fields:
+        name: the adapter's served model id (``"model"`` in a request body).
+        adapter_id: unique per load of an adapter in this process: an adapter unloaded and
+            loaded again under the same name gets a new one, so runner slots and prefix-cached
+            KV blocks (keyed by it) never mix the two.
+        weights: the adapter's tensors, a :class:`models.lora.LoraAdapter`; opaque to the
+            scheduler, which only hands it to the runner in :attr:`ForwardInput.lora_loads`.
+            A request holds its adapter's weights until it ends, so evicting the adapter from
+            the gateway's in-memory cache never pulls them from under a running sequence.
+    """
+
+    name: str
+    adapter_id: int
+    weights: Any = field(repr=False)
+
+
 @dataclass(frozen=True)
 class SequenceInput:
     """One sequence's share of a step.
@@ -113,6 +134,9 @@ class SequenceInput:
         prompt_token_ids: the whole prompt, sent with each chunk of the prompt's prefill when
             ``params.uses_prompt_tokens`` (the runner keeps it for ``repetition_penalty``; with
             prefix caching the chunks alone miss the cached part), else ``None``.
+        lora_slot: the runner's LoRA slot (``0 .. max_loras - 1``) holding this sequence's
+            adapter, loaded there by this or an earlier step's :attr:`ForwardInput.lora_loads`;
+            ``None``: the base model. Its forks run with the same adapter.
     """
 
     seq_id: int
@@ -126,6 +150,7 @@ class SequenceInput:
     num_top_logprobs: int | None = None
     prompt_logprob_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
+    lora_slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,11 +162,15 @@ class ForwardInput:
     already back in the block manager's pool; the runner never owns blocks). ``block_copies``
     are ``(source, destination)`` KV block ids to copy before the forward (a forked sequence's
     copy of its parent's last, partly filled block, as vLLM V0's ``blocks_to_copy``).
+    ``lora_loads`` are ``(slot, adapter)`` pairs: the runner copies each adapter's weights into
+    that LoRA slot before the forward, replacing what the slot held (no running sequence uses a
+    slot the scheduler reloads; :class:`policies.lora_slots.LoraSlots`).
     """
 
     sequences: list[SequenceInput]
     released_seq_ids: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    lora_loads: list[tuple[int, LoraRequest]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,49 @@
+"""LoRA adapters over a served decoder: their weights, and (in the runner) their slots.
+
+A LoRA adapter (Hu et al., 2021) adds a low-rank product to a linear layer:
+``y = x W^T + scaling * (x A^T) B^T`` with ``A`` ``[r, in_features]``, ``B``
+``[out_features, r]`` and ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+rsLoRA), as PEFT's ``LoraLayer`` computes it. Sluice reads PEFT's folders
+(``adapter_config.json`` + ``adapter_model.safetensors``) into :class:`LoraAdapter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The projections of a Llama-family decoder layer an adapter may target (PEFT's module names).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    """One PEFT LoRA adapter's weights, checked against its base model, on the CPU in float32.
+
+    Fields:
+        name: the served model id.
+        path: the PEFT folder it was read from.
+        rank: the adapter's ``r`` (every target module's: per-module ranks are refused).
+        scaling: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), the factor
+            on every ``B``.
+        weights: ``(layer index, projection)`` -> ``(A, B)``: ``A`` ``[rank, in_features]``,
+            ``B`` ``[out_features, rank]`` float32, unscaled; ``projection`` is one of
+            :data:`LORA_TARGET_MODULES`. A projection the adapter does not target is absent.
+    """
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def target_modules(self) -> frozenset[str]:
+        """The projections the adapter changes in at least one layer."""
+        return frozenset(projection for _, projection in self.weights)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())

@@ -1,0 +1,71 @@
+"""PEFT LoRA adapters made in a test, and the reference their greedy output is checked against.
+
+``write_peft_adapter(base, folder, rank, seed)`` wraps the base model (a Hugging Face folder) in
+PEFT's ``LoraConfig`` on the given target modules and saves it with random, non-zero ``A`` and
+``B`` (PEFT starts ``B`` at zero, which would make every adapter the base model), scaled so the
+adapter changes greedy output without drowning the base: a distinct model per seed. The folder
+is what ``peft`` users ship: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+``merged_model(base, adapter)`` is PEFT's ``merge_and_unload`` of the adapter into a fresh copy
+of the base: the reference Sluice's per-row LoRA must equal, token for token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from models.lora import LORA_TARGET_MODULES
+
+# Random A and B are drawn N(0, INIT_STD^2): large enough that greedy tokens change, small
+# enough that the model still writes text.
+INIT_STD = 0.05
+
+
+def write_peft_adapter(
+    base_folder: Path, folder: Path, rank: int = 8, seed: int = 0, target_modules: tuple[str, ...] = LORA_TARGET_MODULES,
+    lora_alpha: int | None = None, **config: Any,
+) -> Path:
+    """Save a LoRA adapter of ``rank`` on ``target_modules`` of the model in ``base_folder`` to
+    ``folder`` (created) and return it; ``config`` goes to ``LoraConfig`` as is (e.g.
+    ``use_rslora=True``). ``lora_alpha`` defaults to ``2 * rank`` (scaling 2)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    lora_config = LoraConfig(
+        r=rank, lora_alpha=lora_alpha if lora_alpha is not None else 2 * rank, target_modules=list(target_modules),
+        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **config,
+    )
+    model = get_peft_model(base, lora_config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    return folder
+
+
+def merged_model(base_folder: Path, adapter_folder: Path) -> Any:
+    """The base model with the adapter merged into its weights (``merge_and_unload``), float32, eval."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_folder).merge_and_unload().eval()
+
+
+def greedy_reference(model: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """``model``'s greedy continuation of ``prompt_ids``: ``max_tokens`` new token ids (no stop)."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
