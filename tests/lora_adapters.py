@@ -7,7 +7,8 @@ adapter changes greedy output without drowning the base: a distinct model per se
 is what ``peft`` users ship: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
 ``merged_model(base, adapter)`` is PEFT's ``merge_and_unload`` of the adapter into a fresh copy
-of the base: the reference Sluice's per-row LoRA must equal, token for token.
+of the base: the reference Sluice's per-row LoRA must equal, token for token (with
+``tests.e2e.reference.greedy_reference`` and its near-tie rule, ``assert_greedy_close``).
 """
 
 from __future__ import annotations
@@ -58,14 +59,3 @@ def merged_model(base_folder: Path, adapter_folder: Path) -> Any:
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
     return PeftModel.from_pretrained(base, adapter_folder).merge_and_unload().eval()
 
-
-def greedy_reference(model: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """``model``'s greedy continuation of ``prompt_ids``: ``max_tokens`` new token ids (no stop)."""
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt_ids) :]]
