@@ -16,6 +16,12 @@ segments). Per layer that is about 15 op dispatches and no module call.
 Numerics match the eager path up to float reduction order: same weights, same formulas (RMSNorm
 ``x / sqrt(mean(x^2) + eps) * w``; RoPE ``q * cos + rotate_half(q) * sin`` as Hugging Face's
 ``apply_rotary_pos_emb``), the products only grouped differently.
+
+LoRA: when the step carries LoRA rows (``step.lora``, :class:`models.lora_slots.LoraBatch`),
+each product's LoRA terms are added to its output right after it, per projection (the fused
+QKV and gate/up outputs column by column), here and nowhere else: whichever product ran (the
+quantized GEMV, the float32 weights of :class:`models.backends.row_crossover.SwitchedLinear`,
+the int8-activation GEMM) they are added once. A step without LoRA rows runs no extra op.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ and what every other backend falls back to."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,16 +48,12 @@ class EagerDecoder:
         """Last hidden states ``[1, T, hidden_size]`` of the packed tokens; the step's LoRA rows
         (``step.lora``) through the decoder's hooks (:mod:`models.lora_hooks`)."""
         lora = getattr(step, "lora", None)
-        if lora is None:
+        with active_lora(lora) if lora is not None else contextlib.nullcontext():
             out = self.decoder(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask, use_cache=False, sluice_step=step
             )
-            return out.last_hidden_state
-        with active_lora(lora):
-            out = self.decoder(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask, use_cache=False, sluice_step=step
-            )
-        return out.last_hidden_state
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
 
 
 def _eager_encoder(parts: EncoderParts) -> EncoderBackend:

@@ -246,3 +246,10 @@ def test_only_kinds_that_run_adapters_are_lora_capable() -> None:
     assert supports_lora("eager") and supports_lora("lean-int4") and supports_lora("lean")
     assert not supports_lora("compiled") and not supports_lora("onnx-int8")
     assert {k for k in DECODER_FACTORIES if not supports_lora(k)} == {"compiled"}
+
+
+def test_the_gate_never_builds_a_kind_without_lora_for_a_lora_bucket(smol: Smol) -> None:
+    from models.backends.decoder_gate import measure_decoder
+
+    (row,) = measure_decoder(smol.model, [(1, 4)], 4, BLOCK_SIZE, ["compiled"], 1, smol.prompts[:1], 2, lora_enabled=True)
+    assert "cannot run LoRA" in row["error"] and "build_s" not in row
