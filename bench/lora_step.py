@@ -1,10 +1,11 @@
 """What many LoRA adapters cost a decode step: SmolLM2-135M on one kind, 0 to 8 adapters.
 
 ``python -m bench.lora_step [--kind lean-int4] [--sequences 16,32] [--adapters 0,1,4,8] [--rank 8]
-[--rounds 5] [--steps 5] [--context 128] [--threads 2]``
+[--max-rank R] [--rounds 5] [--steps 5] [--context 128] [--threads 2]``
 
 One :class:`models.causal_lm.CausalLMRunner` with ``max_loras`` the largest ``--adapters`` and
-``max_lora_rank`` ``--rank`` holds that many random adapters of that rank on all seven
+``max_lora_rank`` ``--max-rank`` (default ``--rank``; above it, every slot is zero-padded and
+the masked products widen with it) holds that many random adapters of that rank on all seven
 projections (the values do not change the time). A decode step of ``n`` sequences at
 ``--context`` tokens runs with ``a`` distinct adapters: sequence ``i`` on slot ``i % a`` (``a``
 0: the base model, no LoRA op at all; 1: every row on slot 0, the single-slot path; more: the
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequences", default="16,32")
     parser.add_argument("--adapters", default="0,1,4,8")
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--max-rank", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--context", type=int, default=128)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model("smollm2", SOURCE, "generate", "float32", "cpu", default_cache_dir()).model
     num_blocks = max(sequences) * -(-(args.context + 1) // BLOCK_SIZE)
     max_loras = max(max(adapter_counts), 1)
-    runner = CausalLMRunner(model, num_blocks, BLOCK_SIZE, backend=args.kind, max_loras=max_loras, max_lora_rank=args.rank)
+    runner = CausalLMRunner(model, num_blocks, BLOCK_SIZE, backend=args.kind, max_loras=max_loras, max_lora_rank=args.max_rank or args.rank)
     loads = [(i, LoraRequest(f"a{i}", i, random_adapter(f"a{i}", model.config, args.rank, i))) for i in range(max_loras)]
     runner.run(ForwardInput([], lora_loads=loads))
     configs = [(n, a) for n in sequences for a in adapter_counts]
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                     started = time.perf_counter()
                     runner.run(step)
                     times[c].append((time.perf_counter() - started) * 1000)
-    print(f"{args.kind}, rank {args.rank}, context {args.context}, {args.threads} threads; decode step ms (ratio to 0 adapters)")
+    print(f"{args.kind}, rank {args.rank} (slots {args.max_rank or args.rank} wide), context {args.context}, {args.threads} threads; decode step ms (ratio to 0 adapters)")
     print("sequences  " + "  ".join(f"{a:>2} adapters    " for a in adapter_counts))
     for n in sequences:
         base = statistics.median(times[(n, adapter_counts[0])])

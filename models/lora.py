@@ -15,6 +15,9 @@ import torch
 
 # The projections of a Llama-family decoder layer an adapter may target (PEFT's module names).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The submodule of a Hugging Face decoder layer that holds each of them.
+TARGET_MODULE_OWNERS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,6 +10,10 @@ threads, each with its own slots. Hooks are installed once per decoder, by the f
 built on it with ``max_loras > 0``; outside :func:`active_lora` (a runner without LoRA, a step
 without adapters, ``model.generate``) they return at once. Only eager runs them: the lean
 backend shares the modules' weights but never calls the modules, and applies LoRA itself.
+
+The hooks stay on the modules for the process's life: a ``compiled`` runner built later on the
+same decoder object would trace them (they read a thread-local), so a LoRA bucket and a
+``compiled`` bucket should not share one loaded model.
 """
 
 from __future__ import annotations
@@ -21,11 +25,9 @@ from typing import Any
 
 import torch
 
-from models.lora import LORA_TARGET_MODULES
+from models.lora import LORA_TARGET_MODULES, TARGET_MODULE_OWNERS
 from models.lora_slots import LoraBatch
 
-_OWNERS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 _HOOKED = "_sluice_lora_hooked"
 
 
@@ -55,7 +57,7 @@ def install_lora_hooks(decoder: Any) -> int:
     count = 0
     for index, layer in enumerate(decoder.layers):
         for projection in LORA_TARGET_MODULES:
-            module: torch.nn.Module = getattr(getattr(layer, _OWNERS[projection]), projection)
+            module: torch.nn.Module = getattr(getattr(layer, TARGET_MODULE_OWNERS[projection]), projection)
             module.register_forward_hook(_hook(index, projection))
             count += 1
     setattr(decoder, _HOOKED, True)
