@@ -5,8 +5,11 @@ does), with PEFT adapters of rank 4, 8 and 16 on all seven projections and one o
 ``q_proj``/``v_proj`` only (random non-zero ``A`` and ``B``: :mod:`tests.lora_adapters`). The
 reference for each adapter is PEFT's ``merge_and_unload`` of it into the base, cut alike, run
 alone by ``model.generate``; Sluice's greedy tokens must equal it up to a near-tie
-(:func:`tests.e2e.reference.assert_greedy_close`), on ``eager`` (forward hooks) and ``lean-int4``
-(the GGUF's exact Q4_1 weights, LoRA in the lean forward).
+(:func:`tests.e2e.reference.assert_greedy_close`), on ``eager`` (forward hooks), ``lean`` and
+``lean-int4`` (the GGUF's exact Q4_1 weights; LoRA in the lean forward, after the quantized GEMV
+for the few-row products and after the float32 ones for the prefills). Several sequences of
+different adapters and the base, in prefill and decode in one step, each give their own
+model's tokens; a runner with slots runs a step without adapters bitwise as one without.
 """
 
 from __future__ import annotations
@@ -147,7 +150,7 @@ def drive(runner: Any, planned: list[Planned], max_new_tokens: int, chunk_tokens
     return outputs
 
 
-@pytest.mark.parametrize("kind", ["eager", "lean-int4"])
+@pytest.mark.parametrize("kind", ["eager", "lean", "lean-int4"])
 def test_each_adapter_gives_the_merged_models_greedy_tokens(smol: Smol, runners: dict[str, Any], kind: str) -> None:
     from tests.e2e.reference import assert_greedy_close
 
