@@ -9,7 +9,7 @@ the masked products widen with it) holds that many random adapters of that rank 
 projections (the values do not change the time). A decode step of ``n`` sequences at
 ``--context`` tokens runs with ``a`` distinct adapters: sequence ``i`` on slot ``i % a`` (``a``
 0: the base model, no LoRA op at all; 1: every row on slot 0, the single-slot path; more: the
-masked path of :class:`models.lora_slots.LoraBatch`). Configurations are interleaved, the order
+masked path of :class:`models.lora_stacks.LoraBatch`). Configurations are interleaved, the order
 rotating each round, and the median of every step of every round counts; the table prints ms per
 step and the ratio to 0 adapters at the same ``n``.
 

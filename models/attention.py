@@ -33,7 +33,7 @@ from models.kv_cache import PagedKVCache
 from models.paged_attention import paged_decode_attention
 
 if TYPE_CHECKING:
-    from models.lora_slots import LoraBatch
+    from models.lora_stacks import LoraBatch
 
 ATTENTION_NAME = "sluice_packed"
 
@@ -66,7 +66,7 @@ class PackedStep:
         block_tables: ``[num_decode_tokens, max_blocks]`` int32 block tables of those sequences.
         context_lens: ``[num_decode_tokens]`` int32, each one's tokens in the pool after this write.
         prefills: the remaining segments, in packed order.
-        lora: the step's LoRA rows (:class:`models.lora_slots.LoraBatch`), applied by the
+        lora: the step's LoRA rows (:class:`models.lora_stacks.LoraBatch`), applied by the
             backends after each target product; ``None``: no row runs an adapter.
     """
 

@@ -25,7 +25,7 @@ from models.logits_processors import SequenceHistory
 from models.logprobs import token_logprobs
 from models.lora import projection_shapes
 from models.lora_hooks import install_lora_hooks
-from models.lora_slots import LoraBatch, LoraSlots
+from models.lora_stacks import LoraBatch, LoraStacks
 from models.module_call_guard import module_calls
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
@@ -53,7 +53,7 @@ class CausalLMRunner:
             sequence is refused with ``ValueError`` at its first step.
         kv_cache_dtype: how the KV pool stores K/V (``float32``, ``bfloat16``, ``int8``;
             :mod:`models.kv_cache`); ``None``: in the model's dtype.
-        max_loras: LoRA slots (:mod:`models.lora_slots`): adapters the steps may run at once,
+        max_loras: LoRA slots (:mod:`models.lora_stacks`): adapters the steps may run at once,
             loaded by :attr:`ForwardInput.lora_loads`, picked per sequence by
             :attr:`SequenceInput.lora_slot`. 0: LoRA off (nothing allocated, no hooks).
         max_lora_rank: the highest adapter rank a slot takes (lower ranks are zero-padded to it).
@@ -96,9 +96,9 @@ class CausalLMRunner:
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         eager = EagerDecoder(self.decoder, dummy_mask)
-        self._lora: LoraSlots | None = None
+        self._lora: LoraStacks | None = None
         if max_loras > 0:
-            self._lora = LoraSlots(
+            self._lora = LoraStacks(
                 projection_shapes(model.config), len(self.decoder.layers), max_loras, max_lora_rank, self.dtype, self.device
             )
             install_lora_hooks(self.decoder)
@@ -146,7 +146,7 @@ class CausalLMRunner:
                 self._matchers.release(seq_id)
         self.kv_cache.copy_blocks(batch.block_copies)
         for slot, request in batch.lora_loads:
-            self._lora_slots().load(slot, request.weights)
+            self._lora_stacks().load(slot, request.weights)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
         # Single-token segments (decodes) go first: attention runs them in one paged call.
@@ -275,7 +275,7 @@ class CausalLMRunner:
         # Slots are rewritten alike when a failed step is rerun on eager.
         return (backend or self._forward_backend).hidden_states(input_ids, position_ids, step)
 
-    def _lora_slots(self) -> LoraSlots:
+    def _lora_stacks(self) -> LoraStacks:
         """The runner's slots.
 
         Raises:
@@ -288,7 +288,7 @@ class CausalLMRunner:
     def _lora_batch(self, sequences: list[SequenceInput]) -> LoraBatch | None:
         """The step's LoRA rows: each packed token runs its sequence's ``lora_slot``."""
         row_slots = [seq.lora_slot for seq in sequences for _ in seq.token_ids]
-        return self._lora_slots().batch(row_slots)
+        return self._lora_stacks().batch(row_slots)
 
     def _packed_step(self, sequences: list[SequenceInput]) -> PackedStep:
         """Slot mapping, decode block tables and prefill segments of ``sequences`` (decodes first)."""

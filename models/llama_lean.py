@@ -17,7 +17,7 @@ Numerics match the eager path up to float reduction order: same weights, same fo
 ``x / sqrt(mean(x^2) + eps) * w``; RoPE ``q * cos + rotate_half(q) * sin`` as Hugging Face's
 ``apply_rotary_pos_emb``), the products only grouped differently.
 
-LoRA: when the step carries LoRA rows (``step.lora``, :class:`models.lora_slots.LoraBatch`),
+LoRA: when the step carries LoRA rows (``step.lora``, :class:`models.lora_stacks.LoraBatch`),
 each product's LoRA terms are added to its output right after it, per projection (the fused
 QKV and gate/up outputs column by column), here and nowhere else: whichever product ran (the
 quantized GEMV, the float32 weights of :class:`models.backends.row_crossover.SwitchedLinear`,
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from models import quant_kernels
 from models.attention import PackedStep, attend_packed
-from models.lora_slots import LoraBatch
+from models.lora_stacks import LoraBatch
 from models.paged_attention import fused_rope_available, rope_
 
 

@@ -2,8 +2,8 @@
 
 The eager backend calls the Hugging Face modules, whose linears (``nn.Linear`` or
 :class:`models.cpu_linear.PackedLinear`) know nothing of the step. A forward hook on each target
-module adds the step's LoRA term to its output in place (:meth:`models.lora_slots.LoraBatch.apply`).
-The step's :class:`~models.lora_slots.LoraBatch` reaches the hooks through a thread-local that
+module adds the step's LoRA term to its output in place (:meth:`models.lora_stacks.LoraBatch.apply`).
+The step's :class:`~models.lora_stacks.LoraBatch` reaches the hooks through a thread-local that
 :class:`models.backends.eager.EagerDecoder` sets around its forward (:func:`active_lora`):
 several runners (a model's buckets) may share one decoder module and run it on their own
 threads, each with its own slots. Hooks are installed once per decoder, by the first runner
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from models.lora import LORA_TARGET_MODULES, TARGET_MODULE_OWNERS
-from models.lora_slots import LoraBatch
+from models.lora_stacks import LoraBatch
 
 _HOOKED = "_sluice_lora_hooked"
 

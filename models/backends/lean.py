@@ -69,7 +69,7 @@ as fast at 4-8, slower beyond; its AVX2 path, against AVX-512 oneDNN, about 1.7x
 row count and was dropped. Torch's weight-only ops with float32 activations are 8-25x slower
 than float32 (no longer used where the kernel runs).
 
-Every kind runs LoRA adapters (:mod:`models.lora_slots`): :class:`models.llama_lean.LeanLlama`
+Every kind runs LoRA adapters (:mod:`models.lora_stacks`): :class:`models.llama_lean.LeanLlama`
 adds the step's LoRA terms after each product; the eager modules' LoRA hooks
 (:mod:`models.lora_hooks`) never run here, since the lean products share the modules' weights
 without calling the modules.

@@ -27,7 +27,7 @@ DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
     **compiled.DECODER_FACTORIES,
     **lean.DECODER_FACTORIES,
 }
-# The decoder kinds that run LoRA adapters (:mod:`models.lora_slots`): eager through forward hooks
+# The decoder kinds that run LoRA adapters (:mod:`models.lora_stacks`): eager through forward hooks
 # on its modules, the lean kinds in their own forward. ``compiled`` traces the modules' forward
 # into fixed graphs that hooks and per-step adapter rows cannot reach.
 LORA_DECODER_KINDS = frozenset({*eager.DECODER_FACTORIES, *lean.DECODER_FACTORIES})

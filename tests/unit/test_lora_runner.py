@@ -1,4 +1,4 @@
-"""LoRA in the runner (:mod:`models.lora_slots`): many adapters over SmolLM2 in one packed step.
+"""LoRA in the runner (:mod:`models.lora_stacks`): many adapters over SmolLM2 in one packed step.
 
 SmolLM2-135M cut to its first ``NUM_DECODER_LAYERS`` layers (as :mod:`tests.unit.test_lean_backend`
 does), with PEFT adapters of rank 4, 8 and 16 on all seven projections and one of rank 8 on

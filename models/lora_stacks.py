@@ -7,7 +7,7 @@ adapter ``i`` adds ``scaling_i * (x_t A_i^T) B_i^T`` (Hu et al., 2021, "LoRA"). 
 segmented gather kernel buys nothing over dense products this small, so the rows are batched by
 a mask instead of a gather:
 
-- :class:`LoraSlots` holds, per target product ``(layer, projection)``, a stack of
+- :class:`LoraStacks` holds, per target product ``(layer, projection)``, a stack of
   ``max_loras`` slots of width ``R = max_lora_rank``: ``A`` rows ``[max_loras * R, in]`` and
   ``scaling * B^T`` rows ``[max_loras * R, out]``, zeros where no adapter (or a lower rank)
   fills them. A stack is allocated at the first load of an adapter that targets its product.
@@ -42,7 +42,7 @@ class _Stack:
     loaded: set[int] = field(default_factory=set)
 
 
-class LoraSlots:
+class LoraStacks:
     """The slot stacks of one runner (:class:`models.causal_lm.CausalLMRunner` with
     ``max_loras > 0``). Called only from the runner's thread: :meth:`load` before a step's
     forward, :meth:`batch` once per step.
@@ -154,7 +154,7 @@ class LoraSlots:
 
 
 class LoraBatch:
-    """One step's LoRA rows over a :class:`LoraSlots` (built by :meth:`LoraSlots.batch`),
+    """One step's LoRA rows over a :class:`LoraStacks` (built by :meth:`LoraStacks.batch`),
     carried on the step's :class:`models.attention.PackedStep` as ``lora``; the backends call
     :meth:`apply` after each target product (the lean forward directly, eager through the
     forward hooks of :mod:`models.lora_hooks`). Valid for that step only: a later load may
@@ -166,7 +166,7 @@ class LoraBatch:
         used: the slots among them.
     """
 
-    def __init__(self, slots: LoraSlots, row_slots: Sequence[int | None], used: frozenset[int]):
+    def __init__(self, slots: LoraStacks, row_slots: Sequence[int | None], used: frozenset[int]):
         self.slots, self.used = slots, used
         width = slots.max_lora_rank
         self.single_slot: int | None = None
