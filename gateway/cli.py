@@ -1,5 +1,5 @@
 """The ``sluice`` command: ``sluice serve``, ``sluice prepare``, ``sluice bench engine``,
-``sluice bench load|tune|batching|output|logprobs|peers|token-path|loading``, ``sluice gate`` and ``sluice kv-plan``."""
+``sluice bench load|tune|batching|output|logprobs|peers|token-path|loading|lora``, ``sluice gate`` and ``sluice kv-plan``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ BENCH_COMMANDS = (
     ("peers", "bench.peers", "Sluice, llama-server, vLLM CPU and transformers serve on one workload, side by side"),
     ("token-path", "bench.token_path", "where a served token's time goes (step phases, event loop) against the bare decode step"),
     ("loading", "bench.model_loading", "models loaded on demand: cold load, eviction, what loads cost a model serving, RSS"),
+    ("lora", "bench.lora", "decode throughput with 0, 1, 4 and 8 LoRA adapters in the batch; a cold adapter's first TTFT"),
 )
 
 
