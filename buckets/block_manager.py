@@ -7,8 +7,10 @@ ids a sequence owns. Capacity questions come in pairs: ``can_allocate`` / ``allo
 without asking first is a caller bug (``AssertionError``).
 
 Prefix caching: a full block ``i`` of a sequence is keyed by the chained hash
-``h_i = H(h_{i-1} || token_ids[i*bs:(i+1)*bs])`` with ``h_{-1}`` empty, so a key names the whole
-prefix up to and including that block. ``H`` is 128-bit BLAKE2b (vLLM moved from Python's
+``h_i = H(h_{i-1} || token_ids[i*bs:(i+1)*bs])`` with ``h_{-1}`` empty (or, for a sequence run
+with a LoRA adapter, the adapter's key :func:`lora_root_hash`, so the same prompt under two
+adapters, or under one and the base model, never shares KV: vLLM's ``extra_keys``), so a key
+names the whole prefix up to and including that block. ``H`` is 128-bit BLAKE2b (vLLM moved from Python's
 ``hash`` to SHA-256 for the same reason: a collision would silently reuse another prompt's KV).
 The caller computes a sequence's hashes once (with :func:`hash_block_tokens`, kept on the
 ``Sequence`` and extended as outputs fill blocks) and passes them in; the manager never hashes tokens itself.
@@ -60,6 +62,13 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     if parent_hash is not None:
         digest.update(parent_hash.to_bytes(16, "little"))
     digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def lora_root_hash(adapter_id: int) -> int:
+    """The key a LoRA sequence's first block chains onto (``h_{-1}``): 128-bit BLAKE2b of the
+    adapter's id (unique per load: :class:`models.step_io.LoraRequest`), which no block key equals."""
+    digest = hashlib.blake2b(b"lora:" + adapter_id.to_bytes(8, "little", signed=True), digest_size=16)
     return int.from_bytes(digest.digest(), "little")
 
 

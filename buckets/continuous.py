@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from buckets.block_manager import BlockManager
-from buckets.errors import BatchFailedError, KVCapacityError, ShuttingDownError
+from buckets.errors import BatchFailedError, KVCapacityError, LoraSlotsError, ShuttingDownError
 from buckets.output import OutputProcessor
 from buckets.request import ErrorEvent, GenerationRequest, Request
 from buckets.runner import ModelRunner
@@ -180,6 +180,8 @@ class ContinuousBatcher:
             prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=self.scheduler.counters.num_preemptions,
             num_chunked_prefills=self.scheduler.counters.num_chunked_prefills,
+            max_step_loras=self.scheduler.counters.max_step_loras,
+            num_lora_loads=self.scheduler.counters.num_lora_loads,
             step_detokenize_s=self.output.detokenize_s,
             **step_time_stats(self.step_budget, self.scheduler.max_prefill_tokens),
         )
@@ -207,7 +209,7 @@ class ContinuousBatcher:
             seq = Sequence(request, self._eos_token_ids)
             try:
                 self.scheduler.add(seq)
-            except KVCapacityError as exc:
+            except (KVCapacityError, LoraSlotsError) as exc:
                 self._counters.num_failed += 1
                 request.emit(ErrorEvent(exc))
             else:

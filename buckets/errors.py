@@ -17,6 +17,10 @@ class KVCapacityError(BucketError):
     """A sequence needs more KV blocks than the bucket's whole pool holds; it could never finish."""
 
 
+class LoraSlotsError(BucketError):
+    """A request names a LoRA adapter and its bucket was built without LoRA slots (``max_loras`` 0)."""
+
+
 class QueueFullError(BucketError):
     """The bucket's queue is at ``max_queue_len`` or ``max_queued_tokens``; try again later.
 

@@ -25,6 +25,14 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    (:class:`policies.priority.AgingPriorityQueue`) while blocks and budget allow, reusing
    prefix-cached blocks; a prompt longer than the (prefill) budget left runs as a first chunk.
 
+With LoRA slots (``max_loras`` > 0), a sequence with an adapter starts running only when its
+adapter is in one of the runner's slots or can take one (:class:`policies.lora_slots.LoraSlots`),
+so no step holds more than ``max_loras`` distinct adapters; the step's ``lora_loads`` tell the
+runner which adapters to copy into which slots first. A waiting sequence whose adapter finds no
+slot is passed over, its place kept: the sequences behind it may start, but only those without
+an adapter, so the adapters running drain and one of their slots comes free for it (vLLM's
+scheduler passes such requests over without that guard, which lets a busy adapter starve it).
+
 A request with ``n`` choices is queued as its choice 0 holding the others as pending forks, and
 takes room for all ``n`` in ``max_num_seqs`` when it joins (or the whole room when nothing else
 runs). Its prompt is prefilled once: the runner samples every choice's first token from the
@@ -42,14 +50,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from buckets.block_manager import BlockManager
-from buckets.errors import KVCapacityError
+from buckets.errors import KVCapacityError, LoraSlotsError
 from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
-from models.step_io import ForwardInput, ForwardOutput, SequenceInput, TokenLogprobs
+from models.step_io import ForwardInput, ForwardOutput, LoraRequest, SequenceInput, TokenLogprobs
 from policies.deadlines import is_expired
+from policies.lora_slots import LoraSlots
 from policies.preemption import pick_victim
 from policies.priority import AgingPriorityQueue, priority_key
 from policies.step_time import PrefillRoom, attended_pairs
+
+# Waiting sequences one plan may pass over for want of a LoRA slot before it stops looking.
+MAX_PASSED_OVER = 64
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,7 @@ class StepPlan:
             (:func:`policies.step_time.attended_pairs` summed over the sequences).
         max_prefill_tokens: the prefill tokens this step had room for at its start, counted as
             one chunk at position 0 (a deeper chunk attends more, so gets fewer).
+        num_loras: distinct LoRA adapters among the scheduled sequences (at most ``max_loras``).
     """
 
     step_id: int
@@ -76,6 +89,7 @@ class StepPlan:
     num_decode_tokens: int = 0
     num_attended_pairs: int = 0
     max_prefill_tokens: int = 0
+    num_loras: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -83,7 +97,8 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.forward.sequences and not self.forward.released_seq_ids and not self.forward.block_copies
+        forward = self.forward
+        return not forward.sequences and not forward.released_seq_ids and not forward.block_copies and not forward.lora_loads
 
 
 @dataclass(frozen=True)
@@ -143,10 +158,13 @@ class _StepBudget:
 
 @dataclass
 class SchedulerCounters:
-    """Totals since start: preemptions and prefill chunks that left part of a prompt for later."""
+    """Totals since start: preemptions, prefill chunks that left part of a prompt for later, the
+    most distinct LoRA adapters in one step, and adapters copied into a runner slot."""
 
     num_preemptions: int = 0
     num_chunked_prefills: int = 0
+    max_step_loras: int = 0
+    num_lora_loads: int = 0
 
 
 class Scheduler:
@@ -179,10 +197,18 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._released: list[int] = []
         self._block_copies: list[tuple[int, int]] = []  # for the next plan (forks' partial blocks)
+        self.lora_slots = LoraSlots(settings.max_loras) if settings.max_loras else None
+        self._lora_loads: list[tuple[int, LoraRequest]] = []  # for the next plan
         self._step_ids = itertools.count()
 
     def update_settings(self, settings: ContinuousBatcherSettings) -> None:
-        """New budgets (and aging) from now on; the waiting queue is re-keyed when the aging changes."""
+        """New budgets (and aging) from now on; the waiting queue is re-keyed when the aging changes.
+
+        Raises:
+            ValueError: ``max_loras`` changes (the runner's slots are sized when it is built).
+        """
+        if settings.max_loras != self.settings.max_loras:
+            raise ValueError(f"max_loras is fixed when the bucket is built ({self.settings.max_loras}); rebuild it to change it")
         if settings.priority_aging_s != self.settings.priority_aging_s:
             waiting = AgingPriorityQueue[Sequence](settings.priority_aging_s)
             for seq in self.waiting:
@@ -207,7 +233,11 @@ class Scheduler:
         Raises:
             KVCapacityError: prompt + ``max_tokens`` needs more blocks than the whole pool holds,
                 so the sequence could never finish (the gateway refuses such requests earlier).
+            LoraSlotsError: the sequence has a LoRA adapter and the bucket has no slots
+                (``max_loras`` 0).
         """
+        if seq.lora is not None and self.lora_slots is None:
+            raise LoraSlotsError(f"this bucket serves no LoRA adapters (max_loras 0); got adapter {seq.lora.name!r}")
         if seq.max_total_tokens > self.kv_capacity_tokens:
             raise KVCapacityError(
                 f"prompt + max_tokens = {seq.max_total_tokens} tokens exceeds the KV pool's {self.kv_capacity_tokens} tokens"
@@ -248,11 +278,14 @@ class Scheduler:
         inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
         num_decode_tokens = sum(1 for seq, _ in scheduled.values() if not self._is_prefill(seq))
         num_pairs = sum(attended_pairs(seq.num_computed_tokens, n) for seq, n in scheduled.values())
-        forward = ForwardInput(inputs, self.take_released(), self._block_copies)
-        self._block_copies = []
+        forward = ForwardInput(inputs, self.take_released(), self._block_copies, self._lora_loads)
+        self._block_copies, self._lora_loads = [], []
+        num_loras = len({seq.lora.adapter_id for seq in seqs if seq.lora is not None})
+        self.counters.max_step_loras = max(self.counters.max_step_loras, num_loras)
         return StepPlan(
             step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted,
             num_decode_tokens=num_decode_tokens, num_attended_pairs=num_pairs, max_prefill_tokens=self.max_prefill_tokens,
+            num_loras=num_loras,
         )
 
     def _step_budget(self) -> _StepBudget:
@@ -297,14 +330,21 @@ class Scheduler:
         return num_preempted
 
     def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget) -> None:
-        """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow."""
+        """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow (a
+        sequence whose LoRA adapter finds no slot is passed over: see the module's docstring)."""
         if not self.waiting:
             return
         manager = self.block_manager
         # Seats taken: running sequences and the pending forks of those still prefilling.
         num_seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        passed_over: list[Sequence] = []
         while self.waiting and budget.has_prefill_room and num_seats < self.settings.max_num_seqs:
             seq = self.waiting.peek()
+            if seq.lora is not None and (passed_over or not self._can_take_slot(seq)):
+                passed_over.append(self.waiting.pop())
+                if len(passed_over) >= MAX_PASSED_OVER:
+                    break
+                continue
             if num_seats and num_seats + 1 + len(seq.forks) > self.settings.max_num_seqs:
                 break  # room for every choice of the request, or the whole room
             num_known = seq.num_tokens
@@ -318,11 +358,36 @@ class Scheduler:
             seq.num_computed_tokens = manager.allocate(seq.seq_id, hashes, num_known, num_cached + num_tokens)
             assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
             self.waiting.pop()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
             num_seats += 1 + len(seq.forks)
             scheduled[seq.seq_id] = (seq, num_tokens)
             budget.take(num_cached, num_tokens, True)
+        for seq in passed_over:
+            self._enqueue(seq)
+
+    def _can_take_slot(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s LoRA adapter has or can take a runner slot now."""
+        assert seq.lora is not None and self.lora_slots is not None
+        return self.lora_slots.can_take(seq.lora.adapter_id)
+
+    def _start_running(self, seq: Sequence) -> None:
+        """``seq`` joins the running list; its adapter takes a slot (queued for loading into the
+        runner with the next plan when it was not there)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if seq.lora is not None and self.lora_slots is not None:
+            slot, needs_load = self.lora_slots.take(seq.lora.adapter_id)
+            if needs_load:
+                self._lora_loads.append((slot, seq.lora))
+                self.counters.num_lora_loads += 1
+
+    def _stop_running(self, seq: Sequence) -> None:
+        """``seq`` leaves the running list (preempted or ended) and frees its blocks; its
+        adapter's slot goes idle with its last running sequence."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        if seq.lora is not None and self.lora_slots is not None:
+            self.lora_slots.release(seq.lora.adapter_id)
 
     def _pick_victim(self) -> Sequence:
         aging_s = self.settings.priority_aging_s
@@ -343,8 +408,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it at the front of the waiting queue (recompute later)."""
-        self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
+        self._stop_running(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -409,8 +473,7 @@ class Scheduler:
                 copy = self.block_manager.fork(parent.seq_id, child.seq_id, num_tokens)
                 if copy is not None:
                     self._block_copies.append(copy)
-                child.status = SequenceStatus.RUNNING
-                self.running.append(child)
+                self._start_running(child)
             else:
                 child.num_computed_tokens = 0
                 child.status = SequenceStatus.PREEMPTED
@@ -454,8 +517,7 @@ class Scheduler:
         if seq.has_sampler_state:
             self._released.append(seq.seq_id)  # the runner holds its sampler state
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self.block_manager.free(seq.seq_id)
+            self._stop_running(seq)
         elif seq.is_waiting:
             self.waiting.remove(seq)
         elif seq.parent is not None:  # a pending fork
@@ -486,4 +548,5 @@ class Scheduler:
             prompt_token_ids=seq.prompt_token_ids if params.uses_prompt_tokens and in_prompt else None,
             num_top_logprobs=request.num_top_logprobs,
             prompt_logprob_token_ids=prompt_targets,
+            lora_slot=self.lora_slots.slot_of(seq.lora.adapter_id) if seq.lora is not None and self.lora_slots is not None else None,
         )

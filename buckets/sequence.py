@@ -6,9 +6,9 @@ import dataclasses
 import enum
 import itertools
 
-from buckets.block_manager import hash_block_tokens
+from buckets.block_manager import hash_block_tokens, lora_root_hash
 from buckets.request import GenerationRequest
-from models.step_io import SamplingParams
+from models.step_io import LoraRequest, SamplingParams
 
 _seq_ids = itertools.count()
 
@@ -97,6 +97,11 @@ class Sequence:
         self.parent = None
 
     @property
+    def lora(self) -> LoraRequest | None:
+        """The request's LoRA adapter (``None``: the base model); every choice runs with it."""
+        return self.request.lora
+
+    @property
     def has_sampler_state(self) -> bool:
         """Whether the runner may hold a generator for it (it ran, or sampled a token)."""
         return self.status is SequenceStatus.RUNNING or self.num_preemptions > 0 or bool(self.output_token_ids)
@@ -136,9 +141,11 @@ class Sequence:
         """Hash the full blocks of ``block_size`` known tokens not hashed yet, chaining onto
         :attr:`block_hashes` (:func:`~buckets.block_manager.hash_block_tokens`). Each block is
         hashed once in the sequence's life: the scheduler calls this when it queues the sequence
-        and after each token it appends, so a sequence that waits many steps is not re-hashed."""
+        and after each token it appends, so a sequence that waits many steps is not re-hashed.
+        A sequence with a LoRA adapter chains its first block onto the adapter's key."""
+        root = lora_root_hash(self.lora.adapter_id) if self.lora is not None else None
         for start in range(len(self.block_hashes) * block_size, self.num_tokens - block_size + 1, block_size):
-            parent_hash = self.block_hashes[-1] if self.block_hashes else None
+            parent_hash = self.block_hashes[-1] if self.block_hashes else root
             self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids_between(start, start + block_size)))
 
     @property

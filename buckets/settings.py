@@ -33,7 +33,10 @@ class ContinuousBatcherSettings:
     a step-time model fit online (:mod:`policies.step_time`), never fewer than four blocks
     under the default target (:data:`buckets.continuous.STALL_FREE_MIN_PREFILL_BLOCKS`), one
     under a configured one;
-    ``fixed`` lets prefill fill ``max_num_batched_tokens``."""
+    ``fixed`` lets prefill fill ``max_num_batched_tokens``.
+
+    ``max_loras`` (0: none) is the number of LoRA adapter slots of the runner: the most distinct
+    adapters among running sequences, hence in one step (vLLM's ``--max-loras``)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -42,6 +45,7 @@ class ContinuousBatcherSettings:
     priority_aging_s: float = 10.0
     chunked_prefill: Literal["stall_free", "fixed"] = "stall_free"
     tpot_target_ms: float | None = None
+    max_loras: int = 0
 
     @property
     def tpot_target_s(self) -> float | None:

@@ -29,7 +29,9 @@ class BucketStats:
     Continuous batchers also report their KV pool (``kv_blocks_used`` of ``kv_blocks_total``,
     blocks of ``kv_block_size`` tokens, ``kv_blocks_evictable`` of the free ones still holding
     prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions, and prefill
-    chunks that left part of a prompt for a later step, and their step-time model
+    chunks that left part of a prompt for a later step, the most distinct LoRA adapters one step
+    held (``max_step_loras``, at most ``max_loras``) and adapters copied into a runner slot
+    (``num_lora_loads``), and their step-time model
     (:mod:`policies.step_time`): ``step_time_base_ms + step_time_decode_token_ms * decodes +
     step_time_prefill_token_ms * prefill tokens + step_time_attended_pair_ns / 1e6 * attended
     (query, key) pairs`` fit over ``step_time_samples`` steps (0 before a fit), the step-time target of the last step ``step_target_ms`` (0: none yet, or fixed
@@ -66,6 +68,8 @@ class BucketStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_chunked_prefills: int = 0
+    max_step_loras: int = 0
+    num_lora_loads: int = 0
     num_rejected: int = 0
     step_schedule_s: float = 0.0
     step_forward_s: float = 0.0
@@ -115,7 +119,7 @@ PER_BUILD_FIELDS = frozenset({
     "kind", "num_waiting", "num_running", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_evictable",
 }) | STEP_TIME_FIELDS
 # Cumulative fields that keep the largest value of the builds rather than their sum.
-MAX_FIELDS = frozenset({"max_batch_seqs"})
+MAX_FIELDS = frozenset({"max_batch_seqs", "max_step_loras"})
 
 
 def carry_over(previous: BucketStats, current: BucketStats) -> BucketStats:

@@ -12,6 +12,7 @@ from buckets.request import EmbeddingRequest, GenerationRequest, RequestEvent
 from buckets.scheduler import PrefillBudget, Scheduler
 from buckets.sequence import Sequence
 from buckets.settings import ContinuousBatcherSettings
+from models.step_io import LoraRequest
 
 # The fake tokenizer's end-of-sequence token id; make_sequence stops on it.
 EOS = 0
@@ -79,9 +80,10 @@ def make_request(
     name: str = "r",
     priority: int = 0,
     first_token: int = 1,
+    lora: LoraRequest | None = None,
 ) -> GenerationRequest:
     """A generation request named ``name`` whose prompt is the ids ``first_token`` ..
-    ``first_token + prompt_len - 1``, recording its events."""
+    ``first_token + prompt_len - 1``, recording its events, run with ``lora`` (none: the base)."""
     return GenerationRequest(
         request_id=name,
         priority=priority,
@@ -90,6 +92,7 @@ def make_request(
         max_tokens=max_tokens,
         stop=stop,
         ignore_eos=ignore_eos,
+        lora=lora,
     )
 
 
@@ -116,10 +119,13 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     clock: FakeClock | None = None,
     prefill_budget: PrefillBudget | None = None,
+    max_loras: int = 0,
 ) -> Scheduler:
     """A real :class:`Scheduler` over a real :class:`BlockManager` of ``num_blocks`` blocks of
     ``block_size`` tokens, on ``clock`` (a fresh :class:`FakeClock` at 0 s by default), with
-    ``prefill_budget`` (none: prefill fills ``max_num_batched_tokens``)."""
-    settings = ContinuousBatcherSettings(max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching)
+    ``prefill_budget`` (none: prefill fills ``max_num_batched_tokens``) and ``max_loras`` LoRA slots."""
+    settings = ContinuousBatcherSettings(
+        max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, max_loras=max_loras
+    )
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(settings, manager, clock or FakeClock(), prefill_budget)
