@@ -108,6 +108,8 @@ def gate_key(model: ModelConfig, bucket: BucketConfig, loaded: LoadedModel, num_
         "shapes": encoder_shapes(bucket) if model.task == "embed" else decoder_shapes(bucket),
         # Only a bucket that gates its KV dtype measures it: other records keep their key.
         **({"kv_cache_dtype": "auto"} if bucket.kv_cache_dtype == "auto" else {}),
+        # A LoRA model's gate measures only kinds that run adapters: a record made without is stale.
+        **({"lora": True} if model.lora is not None else {}),
     }
 
 
@@ -197,11 +199,16 @@ def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
     return choose_backend(verdicts(record, config), thresholds(config))
 
 
-def bucket_gate_config(config: GateConfig, bucket: BucketConfig) -> GateConfig:
-    """``config`` with the bucket's own ``gate_candidates``, where it sets them."""
-    if bucket.gate_candidates is None:
+def bucket_gate_config(config: GateConfig, bucket: BucketConfig, model: ModelConfig | None = None) -> GateConfig:
+    """``config`` with the bucket's own ``gate_candidates``, where it sets them; for a ``model``
+    with LoRA adapters, only the candidates that run them (the lean kinds: ``compiled`` traces
+    fixed graphs that per-row adapters cannot reach)."""
+    candidates = list(bucket.gate_candidates) if bucket.gate_candidates is not None else list(config.candidates)
+    if model is not None and model.lora is not None:
+        candidates = [c for c in candidates if c.startswith("lean")]
+    if candidates == list(config.candidates):
         return config
-    return config.model_copy(update={"candidates": list(bucket.gate_candidates)})
+    return config.model_copy(update={"candidates": candidates})
 
 
 def run_gate(
@@ -217,7 +224,7 @@ def run_gate(
         GateCancelledError: from ``guard``.
     """
     started = time.perf_counter()
-    config = bucket_gate_config(config, bucket)
+    config = bucket_gate_config(config, bucket, model)
     if model.task == "embed":
         candidates = _gate_encoder(loaded, bucket, config, cache_dir, num_threads, guard)
     else:
@@ -260,7 +267,7 @@ def run_and_save(
         GateCancelledError: from ``guard`` (nothing saved).
     """
     fields = {"model": model.name, "bucket": bucket.bucket_name}
-    candidates = bucket_gate_config(config, bucket).candidates
+    candidates = bucket_gate_config(config, bucket, model).candidates
     log.info("gate_started", **fields, reason=reason, candidates=list(candidates), repeats=config.repeats)
     record = run_gate(loaded, model, bucket, config, cache_dir, num_threads, guard)
     path = record_path(cache_dir, model.name, bucket.bucket_name)

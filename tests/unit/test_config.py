@@ -464,3 +464,16 @@ def test_lora_on_a_process_slice_is_not_supported_yet() -> None:
     data["slices"].append({"name": "iso", "isolation": "process"})
     data["models"][0]["buckets"][1]["slice"] = "iso"
     assert "models.0.lora: LoRA adapters on a slice with isolation: process are not supported yet" in config_error(data)
+
+
+def test_a_lora_models_gate_measures_only_kinds_that_run_adapters() -> None:
+    from gateway import gate
+
+    data = _with_lora({})
+    data["models"][0]["buckets"][0]["backend"] = "auto"
+    data["models"][0]["buckets"][1].update(backend="auto", gate_candidates=["compiled", "lean-int8"])
+    config = parse_config(data)
+    model = config.models[0]
+    assert gate.bucket_gate_config(config.gate, model.buckets[0], model).candidates == ["lean", "lean-int8", "lean-int4"]
+    assert gate.bucket_gate_config(config.gate, model.buckets[1], model).candidates == ["lean-int8"]
+    assert gate.bucket_gate_config(config.gate, model.buckets[1]).candidates == ["compiled", "lean-int8"]
