@@ -5,6 +5,7 @@ serve is refused naming the field, ``adapters_dir`` folders are served by name, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from models.source import default_cache_dir, model_folder
-from tests.e2e.conftest import ADMIN_TOKEN, EMBED_MODEL, GENERATE_MODEL, Server
+from tests.e2e.conftest import ADMIN_TOKEN, EMBED_MODEL, GENERATE_MODEL, Server, async_wait_for
 from tests.lora_adapters import write_peft_adapter
 from tests.tiny_models import SMOLLM2_SOURCE, write_tiny_llama
 
@@ -195,3 +196,35 @@ def test_at_most_max_cpu_loras_adapters_stay_in_memory_least_recently_used_dropp
     finally:
         for name in names:
             _remove(server, name)
+
+
+def test_a_completion_with_an_adapter_id_runs_on_its_base(server: Server) -> None:
+    body = {"model": "cfg-lora", "prompt": "The capital of France is", "max_tokens": 4}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_removing_an_adapter_refuses_it_at_once_and_lets_its_stream_finish(server: Server, folders: dict[str, Path]) -> None:
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            assert (await client.post(ADAPTERS, json={"name": "drain-lora", "path": str(folders["good"])}, headers=AUTH)).status_code == 201
+            body = {"model": "drain-lora", "prompt": "Count to a thousand:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as stream:
+                assert stream.status_code == 200
+                lines = stream.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")
+                removal = asyncio.ensure_future(client.delete(f"{ADAPTERS}/drain-lora", headers=AUTH))
+
+                async def refused() -> bool:
+                    return (await client.get("/v1/models/drain-lora")).status_code == 404
+                await async_wait_for(refused, 30, "drain-lora refused while it drains")
+                again = await client.post("/v1/completions", json={**body, "stream": False})
+                assert again.status_code == 404 and not removal.done()
+                rest = [line async for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+            assert (await removal).status_code == 200
+            stats = (await client.get(ADAPTERS, headers=AUTH)).json()
+            assert "drain-lora" not in stats["stats"]["loaded"] and not stats["stats"]["in_flight"]
+
+    asyncio.run(main())
