@@ -198,18 +198,21 @@ def test_at_most_max_cpu_loras_adapters_stay_in_memory_least_recently_used_dropp
             _remove(server, name)
 
 
-def test_a_completion_with_an_adapter_id_runs_on_its_base(server: Server) -> None:
+def test_a_completion_with_an_adapter_id_runs_on_its_base_and_tokenizes_with_its_tokenizer(server: Server) -> None:
     body = {"model": "cfg-lora", "prompt": "The capital of France is", "max_tokens": 4}
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
+    tokens = {name: httpx.post(f"{server.url}/tokenize", json={"model": name, "prompt": "hello"}, timeout=30).json()["tokens"]
+              for name in ("cfg-lora", BASE)}
+    assert tokens["cfg-lora"] == tokens[BASE]
 
 
 def test_removing_an_adapter_refuses_it_at_once_and_lets_its_stream_finish(server: Server, folders: dict[str, Path]) -> None:
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             assert (await client.post(ADAPTERS, json={"name": "drain-lora", "path": str(folders["good"])}, headers=AUTH)).status_code == 201
-            body = {"model": "drain-lora", "prompt": "Count to a thousand:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            body = {"model": "drain-lora", "prompt": "Count to a thousand:", "max_tokens": 96, "ignore_eos": True, "stream": True}
             async with client.stream("POST", "/v1/completions", json=body) as stream:
                 assert stream.status_code == 200
                 lines = stream.aiter_lines()
