@@ -94,9 +94,9 @@ async def _add(request: Request[Any, Any, Any], registry: AdapterRegistry, name:
 
 
 async def _remove(request: Request[Any, Any, Any], registry: AdapterRegistry, name: str) -> dict[str, Any]:
-    entry = await registry.remove(name)
+    entry = await registry.remove(name, request.app.state.engine.config.drain_timeout_s)
     _audit(request, "remove_adapter", registry.base_name, name, entry.path)
-    return {"id": name, "parent": registry.base_name, "state": "removed"}
+    return {"id": name, "parent": registry.base_name, "state": "removed", "num_unfinished": entry.num_in_flight}
 
 
 def _audit(request: Request[Any, Any, Any], action: str, base: str, name: str, path: str) -> None:

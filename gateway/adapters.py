@@ -194,9 +194,10 @@ class AdapterRegistry:
         self._keep(LoraRequest(name=name, adapter_id=next(_adapter_ids), weights=adapter))
         return entry
 
-    async def remove(self, name: str) -> AdapterEntry:
-        """Drain ``name`` (refused at once; its running requests finish), then forget it. A
-        folder of ``adapters_dir`` stays there: a later request reads it again.
+    async def remove(self, name: str, timeout_s: float | None = None) -> AdapterEntry:
+        """Drain ``name`` (refused at once; its running requests finish, for at most
+        ``timeout_s``), then forget it. Requests still running then go on: each holds its
+        adapter's weights. A folder of ``adapters_dir`` stays there: a later request reads it again.
 
         Raises:
             APIError: 404 when ``name`` is not a servable adapter of this base.
@@ -207,7 +208,10 @@ class AdapterRegistry:
         entry.is_draining = True
         if entry.num_in_flight > 0:
             entry.drained.clear()
-            await entry.drained.wait()
+            try:
+                await asyncio.wait_for(entry.drained.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass  # forgotten with requests running: they keep their weights to the end
         self.known.pop(name, None)
         self._loaded.pop(name, None)
         self._last_used_s.pop(name, None)

@@ -135,3 +135,15 @@ def test_models_win_over_adapter_folders_and_embedding_is_refused(tiny: tuple[Pa
         assert found is not None and found[0] == "base" and found[1].lora.name == "c"
 
     asyncio.run(main())
+
+
+def test_a_removal_past_its_timeout_forgets_the_adapter_its_requests_keep_their_weights(tiny: tuple[Path, Path]) -> None:
+    async def main() -> None:
+        registry = _registry(tiny, [])
+        lease = await registry.lease(registry.find("a"))  # type: ignore[arg-type]
+        entry = await registry.remove("a", timeout_s=0.01)
+        assert entry.num_in_flight == 1 and "a" not in registry.known and "a" not in registry.stats()["loaded"]
+        assert lease.lora.weights.nbytes > 0
+        lease.release()
+
+    asyncio.run(main())
