@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.config import LoraConfig, ModelConfig
-from gateway.errors import APIError, invalid_request, model_not_found
+from gateway.config import GatewayConfig, LoraConfig, ModelConfig
+from gateway.errors import APIError, ConfigError, invalid_request, model_not_found
 from models.errors import LoraAdapterError, ModelError
 from models.lora import LoraAdapter
 from models.lora_loader import CONFIG_FILE, read_peft_adapter
@@ -313,3 +313,22 @@ def base_hf_config(model: ModelConfig, cache_dir: Path) -> Any:
         return AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read the config of {model.name!r} at {folder}: {exc}") from None
+
+
+def check_adapter_folders(config: GatewayConfig) -> None:
+    """Every configured adapter's ``path`` holds a PEFT ``adapter_config.json`` and every
+    ``adapters_dir`` is a folder (checked at start; the weights are read on first use).
+
+    Raises:
+        ConfigError: naming the field (``models.0.lora.adapters.1.path``) and the path.
+    """
+    for i, model in enumerate(config.models):
+        if model.lora is None:
+            continue
+        for k, adapter in enumerate(model.lora.adapters):
+            if not (Path(adapter.path) / CONFIG_FILE).is_file():
+                field_path = f"models.{i}.lora.adapters.{k}.path"
+                raise ConfigError(f"{field_path}: {adapter.path} has no {CONFIG_FILE}: not a PEFT adapter folder", param=field_path)
+        if model.lora.adapters_dir is not None and not Path(model.lora.adapters_dir).is_dir():
+            field_path = f"models.{i}.lora.adapters_dir"
+            raise ConfigError(f"{field_path}: {model.lora.adapters_dir} is not a folder", param=field_path)

@@ -21,7 +21,7 @@ from litestar.response import Response
 from buckets.bucket import Bucket
 from gateway.access_log import AccessLog
 from gateway.adapter_routes import AdapterController, VllmAdapterController
-from gateway.adapters import Adapters, base_hf_config
+from gateway.adapters import Adapters, base_hf_config, check_adapter_folders
 from gateway.admin import AdminController, is_admin_path, unmatched_admin_error
 from gateway.background_gates import BackgroundGates, gate_states
 from gateway.config import GatewayConfig
@@ -97,7 +97,12 @@ def _bucket_stats(bucket: Bucket) -> dict[str, Any]:
 
 
 def create_app(config: GatewayConfig) -> Litestar:
-    """Build the gateway app for ``config``. Models load in the lifespan, before serving starts."""
+    """Build the gateway app for ``config``. Models load in the lifespan, before serving starts.
+
+    Raises:
+        ConfigError: a configured LoRA adapter folder or ``adapters_dir`` missing; the engine's.
+    """
+    check_adapter_folders(config)
     engine = Engine(config, worker_main=run_slice_worker, defer_gates=True)
     gates = BackgroundGates(engine)
     engine.bucket_hooks.append(gates.on_bucket)

@@ -147,3 +147,21 @@ def test_a_removal_past_its_timeout_forgets_the_adapter_its_requests_keep_their_
         lease.release()
 
     asyncio.run(main())
+
+
+def test_configured_adapter_folders_are_checked_at_start(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    from gateway.adapters import check_adapter_folders
+    from gateway.config import GatewayConfig
+    from gateway.errors import ConfigError
+
+    base, adapters_dir = tiny
+    model = _model(base, adapters_dir).model_dump()
+    model["lora"]["adapters"] = [{"name": "a", "path": str(adapters_dir / "a")}]
+    data = {"slices": [{"name": "cpu0"}], "models": [model]}
+    check_adapter_folders(GatewayConfig.model_validate(data))
+    model["lora"]["adapters"].append({"name": "gone", "path": str(tmp_path / "gone")})
+    with pytest.raises(ConfigError, match=r"models\.0\.lora\.adapters\.1\.path: .*gone has no adapter_config.json"):
+        check_adapter_folders(GatewayConfig.model_validate(data))
+    model["lora"].update(adapters=[], adapters_dir=str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match=r"models\.0\.lora\.adapters_dir: .* is not a folder"):
+        check_adapter_folders(GatewayConfig.model_validate(data))
