@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -70,18 +71,26 @@ async def _served_call(
         if adapter is not None:
             adapter.release()
         raise
-    if adapter is not None and isinstance(response, Stream):
-        response.iterator = _released_after(response.iterator, adapter)
-    elif adapter is not None:
-        adapter.release()
+    if adapter is None:
+        return response
+    if isinstance(response, Stream):
+        response.iterator = _adapter_chunks(response.iterator, adapter, name)
+        return response
+    adapter.release()
+    if isinstance(response.content, dict) and "model" in response.content:
+        response.content["model"] = adapter.lora.name  # as vLLM answers: the id the client asked for
     return response
 
 
-async def _released_after(chunks: Any, adapter: AdapterLease) -> AsyncIterator[Any]:
-    """``chunks`` (a streaming body), releasing ``adapter`` when they end, fail or are dropped."""
+async def _adapter_chunks(chunks: Any, adapter: AdapterLease, base: str) -> AsyncIterator[Any]:
+    """``chunks`` (a streaming body's SSE events) naming the adapter as their ``model``, releasing
+    ``adapter`` when they end, fail or are dropped. The envelope's ``"model": "<base>"`` is the
+    only place that text can stand unescaped in an event's JSON (a string's quotes are escaped)."""
+    field = f'"model": {json.dumps(base, ensure_ascii=False)}'
+    named = f'"model": {json.dumps(adapter.lora.name, ensure_ascii=False)}'
     try:
         async for chunk in chunks:
-            yield chunk
+            yield chunk.replace(field, named, 1) if isinstance(chunk, str) else chunk
     finally:
         adapter.release()
 

@@ -202,7 +202,7 @@ def test_a_completion_with_an_adapter_id_runs_on_its_base_and_tokenizes_with_its
     body = {"model": "cfg-lora", "prompt": "The capital of France is", "max_tokens": 4}
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 4
+    assert response.json()["usage"]["completion_tokens"] == 4 and response.json()["model"] == "cfg-lora"
     tokens = {name: httpx.post(f"{server.url}/tokenize", json={"model": name, "prompt": "hello"}, timeout=30).json()["tokens"]
               for name in ("cfg-lora", BASE)}
     assert tokens["cfg-lora"] == tokens[BASE]
@@ -216,7 +216,8 @@ def test_removing_an_adapter_refuses_it_at_once_and_lets_its_stream_finish(serve
             async with client.stream("POST", "/v1/completions", json=body) as stream:
                 assert stream.status_code == 200
                 lines = stream.aiter_lines()
-                assert (await anext(lines)).startswith("data: ")
+                first = await anext(lines)
+                assert first.startswith("data: ") and json.loads(first.removeprefix("data: "))["model"] == "drain-lora"
                 removal = asyncio.ensure_future(client.delete(f"{ADAPTERS}/drain-lora", headers=AUTH))
 
                 async def refused() -> bool:
