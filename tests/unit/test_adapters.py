@@ -165,3 +165,16 @@ def test_configured_adapter_folders_are_checked_at_start(tiny: tuple[Path, Path]
     model["lora"].update(adapters=[], adapters_dir=str(tmp_path / "none"))
     with pytest.raises(ConfigError, match=r"models\.0\.lora\.adapters_dir: .* is not a folder"):
         check_adapter_folders(GatewayConfig.model_validate(data))
+
+
+def test_vllm_calls_need_base_model_name_when_two_models_serve_adapters(tiny: tuple[Path, Path]) -> None:
+    from gateway.adapter_routes import _only_registry
+
+    base, adapters_dir = tiny
+    models = [_model(base, adapters_dir), _model(base, adapters_dir).model_copy(update={"name": "base2"})]
+    adapters = Adapters(lambda: models, lambda m: None)
+    with pytest.raises(APIError) as caught:
+        _only_registry(adapters, None)
+    assert (caught.value.status_code, caught.value.param) == (400, "base_model_name")
+    assert _only_registry(adapters, "base2").base_name == "base2"
+    assert _only_registry(Adapters(lambda: models[:1], lambda m: None), None).base_name == "base"
