@@ -24,13 +24,16 @@ same model) the function is plain SDPA attention, so the model stays usable as a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from models.kv_cache import PagedKVCache
 from models.paged_attention import paged_decode_attention
+
+if TYPE_CHECKING:
+    from models.lora_slots import LoraBatch
 
 ATTENTION_NAME = "sluice_packed"
 
@@ -63,6 +66,8 @@ class PackedStep:
         block_tables: ``[num_decode_tokens, max_blocks]`` int32 block tables of those sequences.
         context_lens: ``[num_decode_tokens]`` int32, each one's tokens in the pool after this write.
         prefills: the remaining segments, in packed order.
+        lora: the step's LoRA rows (:class:`models.lora_slots.LoraBatch`), applied by the
+            backends after each target product; ``None``: no row runs an adapter.
     """
 
     kv_cache: PagedKVCache
@@ -71,6 +76,7 @@ class PackedStep:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     prefills: list[PrefillSegment]
+    lora: LoraBatch | None = None
 
 
 def packed_attention(

@@ -7,6 +7,7 @@ it which sequences run, with which blocks, and which were released.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -18,10 +19,13 @@ from models.attention import PackedStep, PrefillSegment
 from models.backends.base import BackendUnavailableError, DecoderBackend, DecoderParts
 from models.backends.eager import EagerDecoder
 from models.backends.fallback import FallbackRunner, OnFallback
-from models.backends.registry import DECODER_FACTORIES, build_decoder
+from models.backends.registry import DECODER_FACTORIES, build_decoder, supports_lora
 from models.kv_cache import KVShape, PagedKVCache, storage_dtype
 from models.logits_processors import SequenceHistory
 from models.logprobs import token_logprobs
+from models.lora import projection_shapes
+from models.lora_hooks import install_lora_hooks
+from models.lora_slots import LoraBatch, LoraSlots
 from models.module_call_guard import module_calls
 from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
@@ -49,9 +53,16 @@ class CausalLMRunner:
             sequence is refused with ``ValueError`` at its first step.
         kv_cache_dtype: how the KV pool stores K/V (``float32``, ``bfloat16``, ``int8``;
             :mod:`models.kv_cache`); ``None``: in the model's dtype.
+        max_loras: LoRA slots (:mod:`models.lora_slots`): adapters the steps may run at once,
+            loaded by :attr:`ForwardInput.lora_loads`, picked per sequence by
+            :attr:`SequenceInput.lora_slot`. 0: LoRA off (nothing allocated, no hooks).
+        max_lora_rank: the highest adapter rank a slot takes (lower ranks are zero-padded to it).
 
     Raises:
-        ValueError: an unknown ``backend`` or ``kv_cache_dtype``.
+        ValueError: an unknown ``backend`` or ``kv_cache_dtype``, a negative ``max_loras``, or
+            ``max_lora_rank`` below 1 with ``max_loras > 0``.
+        BackendUnavailableError: ``max_loras > 0`` on a kind that cannot run adapters
+            (:func:`models.backends.registry.supports_lora`: ``compiled``).
 
     Called only from the bucket's worker thread: :meth:`warm_up` once at start, then once per
     step through :meth:`run`.
@@ -60,9 +71,14 @@ class CausalLMRunner:
     def __init__(
         self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None,
         eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, kv_cache_dtype: str | None = None,
+        max_loras: int = 0, max_lora_rank: int = 16,
     ):
         if backend not in DECODER_FACTORIES:
             raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
+        if max_loras < 0:
+            raise ValueError(f"max_loras must be 0 (LoRA off) or more, got {max_loras}")
+        if max_loras > 0 and not supports_lora(backend):
+            raise BackendUnavailableError(f"the {backend} decoder backend cannot run LoRA adapters (max_loras {max_loras})")
         self.model = model
         self.decoder = getattr(model, model.base_model_prefix)
         self.lm_head = model.get_output_embeddings()
@@ -80,6 +96,12 @@ class CausalLMRunner:
         # A prepared 4D mask makes transformers skip building one; packed attention ignores it.
         dummy_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         eager = EagerDecoder(self.decoder, dummy_mask)
+        self._lora: LoraSlots | None = None
+        if max_loras > 0:
+            self._lora = LoraSlots(
+                projection_shapes(model.config), len(self.decoder.layers), max_loras, max_lora_rank, self.dtype, self.device
+            )
+            install_lora_hooks(self.decoder)
         self._primary = build_decoder(backend, DecoderParts(self.decoder, self.kv_cache, dummy_mask, self.lm_head))
         self._forward_backend: DecoderBackend = (
             eager if self._primary.name == eager.name else FallbackRunner(self._primary, eager, on_fallback)
@@ -110,7 +132,12 @@ class CausalLMRunner:
         for those with ``num_top_logprobs`` (a fork's from the row it sampled from), and prompt
         logprobs for those with ``prompt_logprob_token_ids`` (all from the raw logits,
         :mod:`models.logprobs`). A step where no sequence asks for logprobs computes none. The
-        ``block_copies`` run first, so a fork's block holds its parent's KV before either writes.
+        ``block_copies`` run first, so a fork's block holds its parent's KV before either writes,
+        then the ``lora_loads``; a sequence runs its ``lora_slot``'s adapter, its forks too.
+
+        Raises:
+            ValueError: a LoRA load or slot this runner cannot take (``max_loras`` 0, a slot out
+                of range or empty, an adapter's rank above ``max_lora_rank``).
         """
         for seq_id in batch.released_seq_ids:
             self._generators.pop(seq_id, None)
@@ -118,6 +145,8 @@ class CausalLMRunner:
             if self._matchers is not None:
                 self._matchers.release(seq_id)
         self.kv_cache.copy_blocks(batch.block_copies)
+        for slot, request in batch.lora_loads:
+            self._lora_slots().load(slot, request.weights)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
         # Single-token segments (decodes) go first: attention runs them in one paged call.
@@ -241,8 +270,25 @@ class CausalLMRunner:
         input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = torch.tensor([positions], device=self.device)
         step = self._packed_step(sequences)
+        if any(seq.lora_slot is not None for seq in sequences):
+            step = dataclasses.replace(step, lora=self._lora_batch(sequences))
         # Slots are rewritten alike when a failed step is rerun on eager.
         return (backend or self._forward_backend).hidden_states(input_ids, position_ids, step)
+
+    def _lora_slots(self) -> LoraSlots:
+        """The runner's slots.
+
+        Raises:
+            ValueError: LoRA is off (``max_loras`` 0).
+        """
+        if self._lora is None:
+            raise ValueError("this runner was built with max_loras 0; it cannot run LoRA adapters")
+        return self._lora
+
+    def _lora_batch(self, sequences: list[SequenceInput]) -> LoraBatch | None:
+        """The step's LoRA rows: each packed token runs its sequence's ``lora_slot``."""
+        row_slots = [seq.lora_slot for seq in sequences for _ in seq.token_ids]
+        return self._lora_slots().batch(row_slots)
 
     def _packed_step(self, sequences: list[SequenceInput]) -> PackedStep:
         """Slot mapping, decode block tables and prefill segments of ``sequences`` (decodes first)."""

@@ -16,6 +16,12 @@ segments). Per layer that is about 15 op dispatches and no module call.
 Numerics match the eager path up to float reduction order: same weights, same formulas (RMSNorm
 ``x / sqrt(mean(x^2) + eps) * w``; RoPE ``q * cos + rotate_half(q) * sin`` as Hugging Face's
 ``apply_rotary_pos_emb``), the products only grouped differently.
+
+LoRA: when the step carries LoRA rows (``step.lora``, :class:`models.lora_slots.LoraBatch`),
+each product's LoRA terms are added to its output right after it, per projection (the fused
+QKV and gate/up outputs column by column), here and nowhere else: whichever product ran (the
+quantized GEMV, the float32 weights of :class:`models.backends.row_crossover.SwitchedLinear`,
+the int8-activation GEMM) they are added once. A step without LoRA rows runs no extra op.
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ import torch.nn.functional as F
 
 from models import quant_kernels
 from models.attention import PackedStep, attend_packed
+from models.lora_slots import LoraBatch
 from models.paged_attention import fused_rope_available, rope_
+
+
+# The projections of the fused products, in their output column order (LoRA adds per projection).
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+GATE_UP_PROJECTIONS = ("gate_proj", "up_proj")
 
 
 class Linear(Protocol):
@@ -127,7 +139,11 @@ class LeanLlama:
         the fused RoPE, else as :func:`_rotate` does."""
         g = self.geometry
         num_tokens = x.shape[0]
-        qkv = layer.qkv.mm(self._norm(x, layer.input_norm))
+        lora = step.lora
+        normed = self._norm(x, layer.input_norm)
+        qkv = layer.qkv.mm(normed)
+        if lora is not None:
+            lora.apply_fused(index, QKV_PROJECTIONS, normed, qkv)
         num_qk_heads = g.num_heads + g.num_kv_heads
         if self.has_fused_rope:  # in place on the Q and K heads of the fresh product
             heads = qkv.view(num_tokens, num_qk_heads + g.num_kv_heads, g.head_dim)
@@ -137,9 +153,25 @@ class LeanLlama:
             qk = _rotate(qkv[:, : num_qk_heads * g.head_dim].view(num_tokens, num_qk_heads, g.head_dim), *rope_tables)
         v = qkv[:, num_qk_heads * g.head_dim :].view(num_tokens, g.num_kv_heads, g.head_dim)
         attn = attend_packed(step, index, qk[:, : g.num_heads], qk[:, g.num_heads :], v, self.scale)
+        if lora is not None:
+            return self._lora_mlp(index, layer, x, attn.view(num_tokens, -1), lora)
         gate_up = layer.gate_up.mm(self._add_norm(x, layer.o.mm(attn.view(num_tokens, -1)), layer.post_attention_norm))
         act = F.silu(gate_up[:, : g.intermediate_size]).mul_(gate_up[:, g.intermediate_size :])
         return x.add_(layer.down.mm(act))
+
+    def _lora_mlp(self, index: int, layer: LeanLayer, x: torch.Tensor, attn: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+        """The rest of :meth:`_layer` after attention (``attn`` ``[T, num_heads * head_dim]``)
+        with the step's LoRA terms added to the O, gate/up and down products."""
+        g = self.geometry
+        o = layer.o.mm(attn)
+        lora.apply(index, "o_proj", attn, o)
+        normed = self._add_norm(x, o, layer.post_attention_norm)
+        gate_up = layer.gate_up.mm(normed)
+        lora.apply_fused(index, GATE_UP_PROJECTIONS, normed, gate_up)
+        act = F.silu(gate_up[:, : g.intermediate_size]).mul_(gate_up[:, g.intermediate_size :])
+        down = layer.down.mm(act)
+        lora.apply(index, "down_proj", act, down)
+        return x.add_(down)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the rows of ``x`` ``[T, hidden]``: the kernel's one call, else torch's."""

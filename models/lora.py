@@ -15,6 +15,9 @@ import torch
 
 # The projections of a Llama-family decoder layer an adapter may target (PEFT's module names).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The submodule of a Hugging Face decoder layer that holds each of them.
+TARGET_MODULE_OWNERS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,3 +50,19 @@ class LoraAdapter:
     def nbytes(self) -> int:
         """Bytes of its tensors."""
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def projection_shapes(config: object) -> dict[str, tuple[int, int]]:
+    """``(in_features, out_features)`` of each of :data:`LORA_TARGET_MODULES` in a Llama-family
+    decoder layer of ``config`` (a Hugging Face ``PretrainedConfig``): what an adapter's ``A``
+    ``[r, in]`` and ``B`` ``[out, r]`` must match."""
+    hidden = int(getattr(config, "hidden_size"))
+    num_heads = int(getattr(config, "num_attention_heads"))
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // num_heads)
+    intermediate = int(getattr(config, "intermediate_size"))
+    return {
+        "q_proj": (hidden, num_heads * head_dim), "k_proj": (hidden, num_kv_heads * head_dim),
+        "v_proj": (hidden, num_kv_heads * head_dim), "o_proj": (num_heads * head_dim, hidden),
+        "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden),
+    }  # fmt: skip

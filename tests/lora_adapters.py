@@ -59,3 +59,30 @@ def merged_model(base_folder: Path, adapter_folder: Path) -> Any:
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
     return PeftModel.from_pretrained(base, adapter_folder).merge_and_unload().eval()
 
+
+
+def adapter_from_folder(name: str, folder: Path) -> Any:
+    """The :class:`models.lora.LoraAdapter` of a PEFT folder saved by :func:`write_peft_adapter`
+    (a test's own small reader: the gateway's is ``models.lora_loader``). Keys such as
+    ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``; ``scaling`` is
+    ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``)."""
+    import json
+    import math
+    import re
+
+    from safetensors.torch import load_file
+
+    from models.lora import LoraAdapter
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    rank = int(config["r"])
+    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    pattern = re.compile(r".*\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$")
+    parts: dict[tuple[int, str], dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        match = pattern.match(key)
+        assert match is not None, f"unexpected key {key}"
+        parts.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor.float()
+    weights = {key: (ab["A"], ab["B"]) for key, ab in parts.items()}
+    return LoraAdapter(name=name, path=str(folder), rank=rank, scaling=float(scaling), weights=weights)

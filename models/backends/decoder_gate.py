@@ -28,6 +28,7 @@ import torch
 
 from models.backends.base import BackendUnavailableError
 from models.backends.measure import ALWAYS_IDLE, IdleGuard, interleaved_times_ms, latency_fields
+from models.backends.registry import supports_lora
 from models.causal_lm import CausalLMRunner
 from models.gguf_blocks import gguf_source
 from models.step_io import ForwardInput, SamplingParams, SequenceInput
@@ -148,9 +149,13 @@ def measure_decoder(
     prompts: Sequence[list[int]],
     max_new_tokens: int = 16,
     guard: IdleGuard = ALWAYS_IDLE,
+    lora_enabled: bool = False,
 ) -> list[dict[str, Any]]:
     """Gate figures for each decoder candidate (``compiled``) against eager; each build, timed
     round and accuracy run starts when ``guard`` says idle (:mod:`models.backends.measure`).
+    With ``lora_enabled`` (a bucket with ``max_loras > 0``) a kind that cannot run LoRA adapters
+    (:func:`models.backends.registry.supports_lora`) is not built: its row has an ``error``, so
+    the gate never picks it.
 
     Returns:
         One dict per candidate: ``backend``, ``quantized`` (:func:`is_lossy`), the latency
@@ -168,6 +173,9 @@ def measure_decoder(
     results: dict[str, dict[str, Any]] = {}
     for label in candidates:
         results[label] = {"backend": label, "quantized": is_lossy(label, model)}
+        if lora_enabled and not supports_lora(label):
+            results[label]["error"] = f"the {label} decoder backend cannot run LoRA adapters (the bucket has max_loras > 0)"
+            continue
         guard.wait_until_idle()
         try:
             started = time.perf_counter()

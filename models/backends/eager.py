@@ -3,12 +3,14 @@ and what every other backend falls back to."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from models.backends.base import DecoderBackend, DecoderParts, EncoderBackend, EncoderParts, warm_up_encoder
+from models.lora_hooks import active_lora
 from models.module_call_guard import module_calls
 
 
@@ -43,11 +45,15 @@ class EagerDecoder:
         self.attention_mask = attention_mask
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: Any) -> torch.Tensor:
-        """Last hidden states ``[1, T, hidden_size]`` of the packed tokens."""
-        out = self.decoder(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask, use_cache=False, sluice_step=step
-        )
-        return out.last_hidden_state
+        """Last hidden states ``[1, T, hidden_size]`` of the packed tokens; the step's LoRA rows
+        (``step.lora``) through the decoder's hooks (:mod:`models.lora_hooks`)."""
+        lora = getattr(step, "lora", None)
+        with active_lora(lora) if lora is not None else contextlib.nullcontext():
+            out = self.decoder(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=self.attention_mask, use_cache=False, sluice_step=step
+            )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
 
 
 def _eager_encoder(parts: EncoderParts) -> EncoderBackend:

@@ -69,6 +69,11 @@ as fast at 4-8, slower beyond; its AVX2 path, against AVX-512 oneDNN, about 1.7x
 row count and was dropped. Torch's weight-only ops with float32 activations are 8-25x slower
 than float32 (no longer used where the kernel runs).
 
+Every kind runs LoRA adapters (:mod:`models.lora_slots`): :class:`models.llama_lean.LeanLlama`
+adds the step's LoRA terms after each product; the eager modules' LoRA hooks
+(:mod:`models.lora_hooks`) never run here, since the lean products share the modules' weights
+without calling the modules.
+
 Built from the folder's safetensors (the float32 weights the eager path loaded, before
 :func:`models.cpu_linear.prepack_linears` reordered them), so the backend needs a CPU float32
 ``LlamaModel`` loaded from a folder.
@@ -91,14 +96,14 @@ from models.gguf_blocks import gguf_source, q4_1_dequantized, q4_1_linear, q4_1_
 from models.lean_linear import DenseLinear, Int4Linear, Int8Linear, Q8ActivationLinear, int4_round_to_nearest, kernel_isa
 from models.backends.row_crossover import SwitchedLinear, set_max_quantized_rows, set_min_prefill_rows
 from models.llama_lean import LeanGeometry, LeanLayer, LeanLlama, Linear
+from models.lora import TARGET_MODULE_OWNERS
 
 SUPPORTED_DECODERS = ("LlamaModel",)
 # Rows up to which a product of torch's ops runs quantized; above, on the float32 weights
 # (bfloat16 activations: on a par with float32 at 4 rows, 1.1-1.5x slower at 8 and 16, in cache,
 # 1 thread). Our kernel's figure is measured at build (models.backends.row_crossover).
 TORCH_OP_MAX_ROWS = 4
-PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+PROJECTIONS = TARGET_MODULE_OWNERS  # projection -> the layer submodule that holds it
 # (layer, projection, float32 weight [out, in]) -> its quantized product, or None to keep float32.
 QuantizeFn = Callable[[int, str, torch.Tensor], Linear | None]
 

@@ -27,6 +27,10 @@ DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
     **compiled.DECODER_FACTORIES,
     **lean.DECODER_FACTORIES,
 }
+# The decoder kinds that run LoRA adapters (:mod:`models.lora_slots`): eager through forward hooks
+# on its modules, the lean kinds in their own forward. ``compiled`` traces the modules' forward
+# into fixed graphs that hooks and per-step adapter rows cannot reach.
+LORA_DECODER_KINDS = frozenset({*eager.DECODER_FACTORIES, *lean.DECODER_FACTORIES})
 F = TypeVar("F")
 # A bucket's configured ``(backend, quantization)`` to the kind it runs (``auto`` goes to a gate).
 CONFIGURED_KINDS: dict[tuple[str, str], str] = {
@@ -57,6 +61,12 @@ def build_decoder(kind: str, parts: DecoderParts) -> DecoderBackend:
         BackendUnavailableError: an unknown kind, or it cannot be built here.
     """
     return _factory(DECODER_FACTORIES, kind, "decoder")(parts)
+
+
+def supports_lora(kind: str) -> bool:
+    """Whether a runner of decoder ``kind`` can run LoRA adapters (``max_loras > 0``): a gate must
+    not pick another kind for a LoRA-enabled bucket."""
+    return kind in LORA_DECODER_KINDS
 
 
 def _factory(factories: Mapping[str, F], kind: str, role: str) -> F:
