@@ -118,12 +118,8 @@ def kv_cache_dtype(
 
 
 def lora_runner_kwargs(lora: LoraConfig | None) -> dict[str, Any]:
-    """The adapter slots and largest rank a LoRA-enabled model's runners take (none without ``lora``).
-
-    Empty until ``CausalLMRunner`` takes ``max_loras`` and ``max_lora_rank`` (the engine side of
-    issue 34): then return ``{"max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank}``
-    for a set ``lora``. Until then an adapter's requests run on the base model's weights."""
-    return {}
+    """The adapter slots and largest rank a LoRA-enabled model's runners take (none without ``lora``)."""
+    return {} if lora is None else {"max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank}
 
 
 def causal_lm_runner(

@@ -198,11 +198,20 @@ def test_at_most_max_cpu_loras_adapters_stay_in_memory_least_recently_used_dropp
             _remove(server, name)
 
 
-def test_a_completion_with_an_adapter_id_runs_on_its_base_and_tokenizes_with_its_tokenizer(server: Server) -> None:
-    body = {"model": "cfg-lora", "prompt": "The capital of France is", "max_tokens": 4}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 4 and response.json()["model"] == "cfg-lora"
+def test_a_completion_with_an_adapter_id_runs_on_its_base_with_the_adapter(server: Server) -> None:
+    """Smoke only (greedy equality with PEFT is tests of the runner's): the adapter changes the
+    base's greedy text, and two ids of one folder (configured, adapters_dir) write the same."""
+    texts = {}
+    for name in ("cfg-lora", "dir-lora", BASE):
+        body = {"model": name, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8 and response.json()["model"] == name
+        texts[name] = response.json()["choices"][0]["text"]
+    assert texts["cfg-lora"] == texts["dir-lora"] != texts[BASE], texts
+
+
+def test_tokenize_takes_an_adapter_id_with_its_bases_tokenizer(server: Server) -> None:
     tokens = {name: httpx.post(f"{server.url}/tokenize", json={"model": name, "prompt": "hello"}, timeout=30).json()["tokens"]
               for name in ("cfg-lora", BASE)}
     assert tokens["cfg-lora"] == tokens[BASE]
