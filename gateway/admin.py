@@ -148,7 +148,8 @@ class AdminController(Controller):
     async def list_models(self, request: Any) -> dict[str, Any]:
         """Every loaded model (:func:`describe_model`), then those loading through the admin API,
         then the servable models not loaded (``state`` unloaded, loading, or failed with its
-        ``reason``; their ``config``)."""
+        ``reason``; their ``config``). A LoRA-enabled model has ``lora``: its adapters' stats
+        (:meth:`gateway.adapters.AdapterRegistry.stats`)."""
         engine: Engine = request.app.state.engine
         residency: Residency = request.app.state.residency
         loading = [{"name": name, "state": "loading"} for name in sorted(_loading(request))]
@@ -156,7 +157,12 @@ class AdminController(Controller):
             {"name": m.name, **_state_and_reason(residency, m.name), "config": m.model_dump(mode="json")}
             for m in engine.config.models if m.name not in engine.models and m.name not in _loading(request)
         ]
-        return {"models": [describe_model(m) for m in list(engine.models.values())] + loading + resting}
+        models = [describe_model(m) for m in list(engine.models.values())] + loading + resting
+        for model in models:  # a LoRA-enabled model's adapters: how many, which are read in memory, their bytes
+            registry = request.app.state.adapters.registry(model["name"])
+            if registry is not None:
+                model["lora"] = registry.stats()
+        return {"models": models}
 
     @post("/models/{model:str}/load", status_code=200)
     async def load_servable(self, request: Any, model: str) -> dict[str, Any]:

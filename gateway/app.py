@@ -20,6 +20,8 @@ from litestar.response import Response
 
 from buckets.bucket import Bucket
 from gateway.access_log import AccessLog
+from gateway.adapter_routes import AdapterController, VllmAdapterController
+from gateway.adapters import Adapters, base_hf_config, check_adapter_folders
 from gateway.admin import AdminController, is_admin_path, unmatched_admin_error
 from gateway.background_gates import BackgroundGates, gate_states
 from gateway.config import GatewayConfig
@@ -95,12 +97,18 @@ def _bucket_stats(bucket: Bucket) -> dict[str, Any]:
 
 
 def create_app(config: GatewayConfig) -> Litestar:
-    """Build the gateway app for ``config``. Models load in the lifespan, before serving starts."""
+    """Build the gateway app for ``config``. Models load in the lifespan, before serving starts.
+
+    Raises:
+        ConfigError: a configured LoRA adapter folder or ``adapters_dir`` missing; the engine's.
+    """
+    check_adapter_folders(config)
     engine = Engine(config, worker_main=run_slice_worker, defer_gates=True)
     gates = BackgroundGates(engine)
     engine.bucket_hooks.append(gates.on_bucket)
     metrics = Metrics(engine)
     residency = Residency(engine, metrics)
+    adapters = Adapters(lambda: engine.config.models, lambda model: base_hf_config(model, engine.cache_dir))
     metrics.watch_residency(residency)
     engine.request_observers.append(metrics.observe_request)
     engine.bucket_hooks.append(
@@ -135,9 +143,13 @@ def create_app(config: GatewayConfig) -> Litestar:
             await asyncio.to_thread(engine.stop)
 
     app = Litestar(
-        route_handlers=[OpenAIController, TokenizeController, AdminController, DashboardController, health, stats, metrics_endpoint],
+        route_handlers=[
+            OpenAIController, TokenizeController, AdminController, AdapterController, VllmAdapterController,
+            DashboardController, health, stats, metrics_endpoint,
+        ],
         lifespan=[lifespan],
-        state=State({"engine": engine, "router": Router(engine), "metrics": metrics, "residency": residency}),
+        state=State({"engine": engine, "router": Router(engine), "metrics": metrics, "residency": residency,
+                     "adapters": adapters}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=int(config.max_request_body_bytes),
         plugins=[RequestBodySchemas()],

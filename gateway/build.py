@@ -119,10 +119,15 @@ def ray_placement(config: SliceConfig, ray: RayConfig | None) -> RayPlacement | 
     )
 
 
-def continuous_settings(config: ContinuousBatcherConfig) -> ContinuousBatcherSettings:
+def lora_slots(model: ModelConfig) -> int:
+    """The adapter slots of ``model``'s continuous buckets: its ``lora.max_loras`` (0 without ``lora``)."""
+    return model.lora.max_loras if model.lora is not None else 0
+
+
+def continuous_settings(config: ContinuousBatcherConfig, max_loras: int = 0) -> ContinuousBatcherSettings:
     return ContinuousBatcherSettings(
         config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
-        config.priority_aging_s, config.chunked_prefill, config.tpot_target_ms,
+        config.priority_aging_s, config.chunked_prefill, config.tpot_target_ms, max_loras,
     )
 
 
@@ -130,10 +135,10 @@ def dynamic_settings(config: DynamicBatcherConfig) -> DynamicBatcherSettings:
     return DynamicBatcherSettings(config.max_batch_size, config.max_queue_delay_ms, config.priority_aging_s)
 
 
-def batcher_settings(config: BucketConfig) -> BatcherSettings:
-    """The frozen settings of bucket ``config``'s batcher."""
+def batcher_settings(config: BucketConfig, max_loras: int = 0) -> BatcherSettings:
+    """The frozen settings of bucket ``config``'s batcher (``max_loras``: its model's :func:`lora_slots`)."""
     knobs = config.batcher
-    return continuous_settings(knobs) if isinstance(knobs, ContinuousBatcherConfig) else dynamic_settings(knobs)
+    return continuous_settings(knobs, max_loras) if isinstance(knobs, ContinuousBatcherConfig) else dynamic_settings(knobs)
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ class BucketBuilder:
             ConfigError: its KV share holds no block.
         """
         info: dict[str, Any] = {"configured": config.backend, "isolation": device_slice.isolation}
-        settings = batcher_settings(config)
+        settings = batcher_settings(config, lora_slots(model))
         kv_capacity_tokens = None
         make_batcher: Callable[[], Batcher]
         if isinstance(config.batcher, ContinuousBatcherConfig):
@@ -201,12 +206,12 @@ class BucketBuilder:
         ``num_blocks`` blocks of ``kv_dtype`` (None: the model's dtype)."""
         knobs: ContinuousBatcherConfig = config.batcher  # type: ignore[assignment]
         label = self._backend_label(model, loaded, config, num_threads, info)
-        runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info, kv_dtype)
+        runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info, kv_dtype, model.lora)
         log.info(
             "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
             block_size=knobs.block_size, kv_cache_bytes=runner.kv_cache.nbytes,
         )
-        return ContinuousBatcher(runner, continuous_settings(knobs), loaded.tokenizer, loaded.eos_token_ids)
+        return ContinuousBatcher(runner, continuous_settings(knobs, lora_slots(model)), loaded.tokenizer, loaded.eos_token_ids)
 
     def _dynamic(
         self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]

@@ -197,6 +197,42 @@ class BucketConfig(_Strict):
         return self.name or f"le{self.max_input_tokens}"
 
 
+class LoraAdapterConfig(_Strict):
+    """One LoRA adapter served over its base model under its own model id."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    # A PEFT folder: adapter_config.json + adapter_model.safetensors.
+    path: str = Field(min_length=1)
+
+
+class LoraConfig(_Strict):
+    """Many LoRA adapters over one generation model (issue 34): each is a model id of its own,
+    run in the base model's buckets, where one step may mix up to ``max_loras`` of them."""
+
+    adapters: list[LoraAdapterConfig] = []
+    # Every PEFT folder in this folder is servable under its folder name, read on first use.
+    adapters_dir: str | None = None
+    # Distinct adapters one step of a bucket may run (the runner's adapter slots).
+    max_loras: int = Field(default=8, ge=1, le=1024)
+    # The largest adapter rank r served; a larger adapter is refused when it is added or used.
+    max_lora_rank: int = Field(default=16, ge=1, le=1024)
+    # Adapters kept read in the gateway's memory (least recently used dropped first).
+    max_cpu_loras: int = Field(default=32, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraConfig":
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is below max_loras {self.max_loras}")
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters: names must be unique, got {names}")
+        return self
+
+
+# Bucket backends whose runners cannot take LoRA adapters (compiled graphs, ONNX sessions).
+NO_LORA_BACKENDS = ("compiled", "onnx")
+
+
 class ModelConfig(_Strict):
     """One served model."""
 
@@ -231,6 +267,8 @@ class ModelConfig(_Strict):
     pinned: bool | None = None
     # Unload the model after this many seconds with no request (Ollama's keep_alive); None: never.
     idle_unload_s: float | None = Field(default=None, gt=0)
+    # LoRA adapters served over this model (generation only); None: none.
+    lora: LoraConfig | None = None
 
     @property
     def is_pinned(self) -> bool:
@@ -253,6 +291,7 @@ class ModelConfig(_Strict):
         names = [b.bucket_name for b in self.buckets]
         if len(set(names)) != len(names):
             raise ValueError(f"buckets: names must be unique, got {names}")
+        self._check_lora()
         want = "continuous" if self.task == "generate" else "dynamic"
         for i, b in enumerate(self.buckets):
             if b.batcher.kind != want:
@@ -270,6 +309,18 @@ class ModelConfig(_Strict):
                     f"max_num_seqs {b.batcher.max_num_seqs}; every running sequence decodes one token per step"
                 )
         return self
+
+
+    def _check_lora(self) -> None:
+        if self.lora is None:
+            return
+        if self.task != "generate":
+            raise ValueError(f"lora: only a generation model serves LoRA adapters; {self.name} embeds")
+        for i, b in enumerate(self.buckets):
+            if b.backend in NO_LORA_BACKENDS:
+                raise ValueError(f"buckets.{i}.backend: {b.backend} cannot run LoRA adapters (lora is set); use eager, lean or auto")
+        if self.name in {a.name for a in self.lora.adapters}:
+            raise ValueError(f"lora.adapters: an adapter is named like its base model {self.name!r}")
 
 
 class GateConfig(_Strict):
@@ -397,6 +448,7 @@ class GatewayConfig(_Strict):
         model_names = [m.name for m in self.models]
         if len(set(model_names)) != len(model_names):
             raise ValueError(f"models: names must be unique, got {model_names}")
+        self._check_lora(model_names)
         for i, model in enumerate(self.models):
             for j, bucket in enumerate(model.buckets):
                 if bucket.slice not in slice_names:
@@ -415,6 +467,29 @@ class GatewayConfig(_Strict):
                     f"more than 1 ({sum(fractions):g})"
                 )
         return self
+
+    def _check_lora(self, model_names: list[str]) -> None:
+        """Adapter names are model ids: unique among adapters and models; a LoRA model's buckets
+        run in this process (its adapters live here)."""
+        isolation = {s.name: s.isolation for s in self.slices}
+        seen: dict[str, str] = {}
+        for i, model in enumerate(self.models):
+            if model.lora is None:
+                continue
+            for j, bucket in enumerate(model.buckets):
+                if isolation.get(bucket.slice, "thread") != "thread":
+                    raise ValueError(
+                        f"models.{i}.lora: LoRA adapters on a slice with isolation: {isolation[bucket.slice]} are not "
+                        f"supported yet (bucket {j} is on {bucket.slice!r}; the adapters live in the gateway process)"
+                    )
+            for k, adapter in enumerate(model.lora.adapters):
+                if adapter.name in model_names:
+                    raise ValueError(f"models.{i}.lora.adapters.{k}.name: {adapter.name!r} is already a model's name")
+                if adapter.name in seen:
+                    raise ValueError(
+                        f"models.{i}.lora.adapters.{k}.name: {adapter.name!r} is already an adapter of {seen[adapter.name]!r}"
+                    )
+                seen[adapter.name] = model.name
 
     def _check_ray(self) -> None:
         """A Ray slice needs ``ray.address``; its buckets' backend is chosen in the actors, so

@@ -41,7 +41,7 @@ from models.backends.base import BackendUnavailableError, EncoderBackend, Encode
 from models.backends.decoder_gate import measure_decoder
 from models.backends.eager import EagerEncoder
 from models.backends.measure import ALWAYS_IDLE, IdleGuard, batched, interleaved_times_ms, latency_fields, min_cosine
-from models.backends.registry import DECODER_FACTORIES, ENCODER_FACTORIES, build_encoder
+from models.backends.registry import DECODER_FACTORIES, ENCODER_FACTORIES, build_encoder, supports_lora
 from models.encoder import EmbeddingRunner
 from models.kv_accuracy import KVAccuracyThresholds, judge_kv_dtype, measure_kv_dtype
 from models.loader import LoadedModel
@@ -108,6 +108,8 @@ def gate_key(model: ModelConfig, bucket: BucketConfig, loaded: LoadedModel, num_
         "shapes": encoder_shapes(bucket) if model.task == "embed" else decoder_shapes(bucket),
         # Only a bucket that gates its KV dtype measures it: other records keep their key.
         **({"kv_cache_dtype": "auto"} if bucket.kv_cache_dtype == "auto" else {}),
+        # A LoRA model's gate measures only kinds that run adapters: a record made without is stale.
+        **({"lora": True} if model.lora is not None else {}),
     }
 
 
@@ -197,11 +199,16 @@ def chosen_backend(record: dict[str, Any], config: GateConfig) -> str:
     return choose_backend(verdicts(record, config), thresholds(config))
 
 
-def bucket_gate_config(config: GateConfig, bucket: BucketConfig) -> GateConfig:
-    """``config`` with the bucket's own ``gate_candidates``, where it sets them."""
-    if bucket.gate_candidates is None:
+def bucket_gate_config(config: GateConfig, bucket: BucketConfig, model: ModelConfig | None = None) -> GateConfig:
+    """``config`` with the bucket's own ``gate_candidates``, where it sets them; for a ``model``
+    with LoRA adapters, only the candidates that run them (:func:`models.backends.registry.supports_lora`:
+    the lean kinds; ``compiled`` traces fixed graphs that per-row adapters cannot reach)."""
+    candidates = list(bucket.gate_candidates) if bucket.gate_candidates is not None else list(config.candidates)
+    if model is not None and model.lora is not None:
+        candidates = [c for c in candidates if supports_lora(c)]
+    if candidates == list(config.candidates):
         return config
-    return config.model_copy(update={"candidates": list(bucket.gate_candidates)})
+    return config.model_copy(update={"candidates": candidates})
 
 
 def run_gate(
@@ -217,11 +224,11 @@ def run_gate(
         GateCancelledError: from ``guard``.
     """
     started = time.perf_counter()
-    config = bucket_gate_config(config, bucket)
+    config = bucket_gate_config(config, bucket, model)
     if model.task == "embed":
         candidates = _gate_encoder(loaded, bucket, config, cache_dir, num_threads, guard)
     else:
-        candidates = _gate_decoder(loaded, bucket, config, guard)
+        candidates = _gate_decoder(loaded, bucket, config, guard, model.lora is not None)
     record = {
         "model": model.name,
         "bucket": bucket.bucket_name,
@@ -260,7 +267,7 @@ def run_and_save(
         GateCancelledError: from ``guard`` (nothing saved).
     """
     fields = {"model": model.name, "bucket": bucket.bucket_name}
-    candidates = bucket_gate_config(config, bucket).candidates
+    candidates = bucket_gate_config(config, bucket, model).candidates
     log.info("gate_started", **fields, reason=reason, candidates=list(candidates), repeats=config.repeats)
     record = run_gate(loaded, model, bucket, config, cache_dir, num_threads, guard)
     path = record_path(cache_dir, model.name, bucket.bucket_name)
@@ -323,14 +330,16 @@ def _token_ids(loaded: LoadedModel, length: int) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long)
 
 
-def _gate_decoder(loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, guard: IdleGuard) -> list[dict[str, Any]]:
+def _gate_decoder(
+    loaded: LoadedModel, bucket: BucketConfig, config: GateConfig, guard: IdleGuard, lora_enabled: bool = False
+) -> list[dict[str, Any]]:
     batcher = bucket.batcher
     assert isinstance(batcher, ContinuousBatcherConfig)
     prompts = _decoder_prompts(loaded, bucket)
     candidates = [c for c in config.candidates if c in DECODER_FACTORIES and c != "eager"]
     return measure_decoder(
         loaded.model, decoder_shapes(bucket), bucket.max_input_tokens, batcher.block_size, candidates, config.repeats, prompts,
-        guard=guard,
+        guard=guard, lora_enabled=lora_enabled,
     )
 
 

@@ -17,6 +17,7 @@ from litestar.plugins import ReceiveRoutePlugin
 from litestar.routes import BaseRoute, HTTPRoute
 from pydantic import BaseModel
 
+from gateway.adapter_routes import AddAdapterBody, LoadLoraAdapterBody, UnloadLoraAdapterBody
 from gateway.admin import BucketPatch, LayoutBody
 from gateway.config import ModelConfig
 from gateway.schemas import ChatCompletionBody, CompletionBody, DetokenizeBody, EmbeddingBody, TokenizeBody
@@ -31,6 +32,9 @@ REQUEST_BODIES: Mapping[tuple[str, str], type[BaseModel]] = {
     ("POST", "/admin/models"): ModelConfig,
     ("PUT", "/admin/models/{model:str}/buckets"): LayoutBody,
     ("PATCH", "/admin/models/{model:str}/buckets/{bucket:str}"): BucketPatch,
+    ("POST", "/admin/models/{base:str}/adapters"): AddAdapterBody,
+    ("POST", "/v1/load_lora_adapter"): LoadLoraAdapterBody,
+    ("POST", "/v1/unload_lora_adapter"): UnloadLoraAdapterBody,
 }
 
 # pydantic leaves a constraint on a union (``StrictFloat | StrictInt = Field(ge=0)``) under its

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import structlog
 
 from gateway import gate
-from gateway.config import BucketConfig, GateConfig, ModelConfig
+from gateway.config import BucketConfig, GateConfig, LoraConfig, ModelConfig
 from models.backends.base import BackendUnavailableError, EncoderBackend, EncoderParts
 from models.backends.eager import EagerEncoder
 from models.backends.fallback import FallbackRunner, OnFallback
@@ -117,18 +117,24 @@ def kv_cache_dtype(
     return chosen
 
 
+def lora_runner_kwargs(lora: LoraConfig | None) -> dict[str, Any]:
+    """The adapter slots and largest rank a LoRA-enabled model's runners take (none without ``lora``)."""
+    return {} if lora is None else {"max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank}
+
+
 def causal_lm_runner(
     loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any],
-    kv_dtype: str | None = None,
+    kv_dtype: str | None = None, lora: LoraConfig | None = None,
 ) -> Any:
     """A decoder runner with backend ``label`` over a KV pool of ``kv_dtype`` (None: the
-    model's dtype), warmed at the bucket's step shapes; eager when ``label`` cannot be built
-    (logged)."""
+    model's dtype), with the adapter slots of ``lora`` (its model's block), warmed at the
+    bucket's step shapes; eager when ``label`` cannot be built (logged)."""
+    lora_kwargs = lora_runner_kwargs(lora)
 
     def build(on_fallback: OnFallback) -> CausalLMRunner:
         runner = CausalLMRunner(
             loaded.model, num_blocks, block_size, backend=label, on_fallback=on_fallback, eos_token_ids=loaded.eos_token_ids,
-            tokenizer=loaded.tokenizer, kv_cache_dtype=kv_dtype,
+            tokenizer=loaded.tokenizer, kv_cache_dtype=kv_dtype, **lora_kwargs,
         )
         info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
         return runner
@@ -137,7 +143,7 @@ def causal_lm_runner(
         loaded.name, config, label, info, build,
         lambda: CausalLMRunner(
             loaded.model, num_blocks, block_size, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer,
-            kv_cache_dtype=kv_dtype,
+            kv_cache_dtype=kv_dtype, **lora_kwargs,
         ),
     )
 

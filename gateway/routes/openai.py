@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -12,6 +13,7 @@ from litestar import Controller, Request, get, post
 from litestar.response import Response, Stream
 
 from buckets.request import EmbeddingRequest, GenerationRequest, Request as CoreRequest
+from gateway.adapters import AdapterLease, AdapterRegistry, Adapters
 from gateway.config import ModelConfig
 from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, model_not_found
@@ -27,7 +29,7 @@ from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
 from gateway.structured_fields import checked_constraint
 from gateway.tools import ToolPlan, check_tool_constraint, tool_plan, with_tool_constraint
-from models.step_io import SamplingParams
+from models.step_io import LoraRequest, SamplingParams
 
 
 def _router(request: Request[Any, Any, Any]) -> Router:
@@ -38,19 +40,59 @@ def _residency(request: Request[Any, Any, Any]) -> Residency:
     return request.app.state.residency  # type: ignore[no-any-return]
 
 
+def _adapters(request: Request[Any, Any, Any]) -> Adapters:
+    return request.app.state.adapters  # type: ignore[no-any-return]
+
+
+def _lora(request: Request[Any, Any, Any]) -> LoraRequest | None:
+    """The LoRA adapter this HTTP request's generations run with (set by :func:`_served_call`)."""
+    return getattr(request.state, "lora", None)
+
+
 async def _served_call(
     request: Request[Any, Any, Any], body: Any, task: str, arrival_s: float, handler: Callable[..., Awaitable[Any]]
 ) -> Any:
     """Check ``body``'s model (404, 400 ``wrong_task``), priority and timeout, then run
     ``handler(request, router, served, body, arrival_s, deadline_s)`` on the served model, loaded
     first when it is not (the wait counts against the deadline), under a lease that keeps an
-    eviction from draining it before its requests are queued."""
+    eviction from draining it before its requests are queued. A LoRA adapter's id runs on its
+    base model with the adapter (read first when it is not), leased until the response ends."""
     router = _router(request)
-    model = _residency(request).model_config(body.model, task)
-    check_priority(router, body.priority)
-    deadline_s = resolve_deadline_s(model, body.timeout, arrival_s)
-    async with _residency(request).serving(body.model, deadline_s) as served:
-        return await handler(request, router, served, body, arrival_s, deadline_s)
+    leased = await _adapters(request).lease(body.model, task)
+    name, adapter = (body.model, None) if leased is None else leased
+    try:
+        model = _residency(request).model_config(name, task)
+        check_priority(router, body.priority)
+        deadline_s = resolve_deadline_s(model, body.timeout, arrival_s)
+        request.state.lora = None if adapter is None else adapter.lora
+        async with _residency(request).serving(name, deadline_s) as served:
+            response = await handler(request, router, served, body, arrival_s, deadline_s)
+    except BaseException:
+        if adapter is not None:
+            adapter.release()
+        raise
+    if adapter is None:
+        return response
+    if isinstance(response, Stream):
+        response.iterator = _adapter_chunks(response.iterator, adapter, name)
+        return response
+    adapter.release()
+    if isinstance(response.content, dict) and "model" in response.content:
+        response.content["model"] = adapter.lora.name  # as vLLM answers: the id the client asked for
+    return response
+
+
+async def _adapter_chunks(chunks: Any, adapter: AdapterLease, base: str) -> AsyncIterator[Any]:
+    """``chunks`` (a streaming body's SSE events) naming the adapter as their ``model``, releasing
+    ``adapter`` when they end, fail or are dropped. The envelope's ``"model": "<base>"`` is the
+    only place that text can stand unescaped in an event's JSON (a string's quotes are escaped)."""
+    field = f'"model": {json.dumps(base, ensure_ascii=False)}'
+    named = f'"model": {json.dumps(adapter.lora.name, ensure_ascii=False)}'
+    try:
+        async for chunk in chunks:
+            yield chunk.replace(field, named, 1) if isinstance(chunk, str) else chunk
+    finally:
+        adapter.release()
 
 
 class OpenAIController(Controller):
@@ -60,7 +102,9 @@ class OpenAIController(Controller):
     async def list_models(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
         """Every servable model, loaded or not, as :func:`model_card` describes it."""
         residency = _residency(request)
-        return {"object": "list", "data": [model_card(residency, m) for m in list(residency.engine.config.models)]}
+        cards = [model_card(residency, m) for m in list(residency.engine.config.models)]
+        cards += [adapter_card(residency, r, e.name, e.path) for r in _adapters(request).registries() for e in r.entries()]
+        return {"object": "list", "data": cards}
 
     @get("/models/{model_id:path}")
     async def retrieve_model(self, request: Request[Any, Any, Any], model_id: str) -> dict[str, Any]:
@@ -69,7 +113,10 @@ class OpenAIController(Controller):
         residency = _residency(request)
         model = next((m for m in residency.engine.config.models if m.name == name), None)
         if model is None:
-            raise model_not_found(name)
+            found = _adapters(request).find(name)
+            if found is None:
+                raise model_not_found(name)
+            return adapter_card(residency, found[0], name, found[1].path)
         return model_card(residency, model)
 
     @post("/completions", status_code=200)
@@ -172,6 +219,12 @@ def model_card(residency: Residency, model: ModelConfig) -> dict[str, Any]:
     }
 
 
+def adapter_card(residency: Residency, registry: AdapterRegistry, name: str, path: str) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists it: ``root`` its folder, ``parent`` its base model's id."""
+    base = next(m for m in residency.engine.config.models if m.name == registry.base_name)
+    return {**model_card(residency, base), "id": name, "root": path, "parent": registry.base_name}
+
+
 def _chat_max_tokens(body: ChatCompletionBody) -> tuple[str, int | None]:
     """Which field sets chat's budget: ``max_completion_tokens`` takes precedence over ``max_tokens``."""
     if body.max_completion_tokens is not None:
@@ -208,7 +261,7 @@ async def _generate(
         for p, (prompt, text) in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             channel = EventChannel(http_request.app.state.metrics.event_timings)
-            build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s)
+            build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s, _lora(http_request))
             request = await router.submit(served, prompt, budget, deadline_s, build, body.n)
             assert isinstance(request, GenerationRequest)
             sources.append(PromptSource(request, channel, text, p * body.n))
@@ -241,9 +294,11 @@ def _request_factory(
     channel: EventChannel,
     arrival_s: float,
     deadline_s: float | None,
+    lora: LoraRequest | None = None,
 ) -> Callable[[list[int], int], GenerationRequest]:
     """How the router builds one prompt's core request from its token ids and budget (with
-    ``echo`` and ``logprobs`` it asks for the prompt's logprobs too)."""
+    ``echo`` and ``logprobs`` it asks for the prompt's logprobs too; ``lora``: the adapter it
+    runs with)."""
     num_top_logprobs = body.logprobs if isinstance(body, CompletionBody) else body.num_top_logprobs()
     echo = isinstance(body, CompletionBody) and body.echo
 
@@ -265,6 +320,7 @@ def _request_factory(
             n=body.n,
             num_top_logprobs=num_top_logprobs,
             needs_prompt_logprobs=echo and num_top_logprobs is not None,
+            lora=lora,
         )
         request.timeline["arrival"] = arrival_s
         return request

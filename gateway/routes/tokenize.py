@@ -23,12 +23,16 @@ from gateway.schemas import DetokenizeBody, TokenizeBody
 
 @asynccontextmanager
 async def _served(request: Request[Any, Any, Any], name: str) -> AsyncIterator[tuple[Router, ServedModel]]:
-    """The router and the served model ``name`` (any task), loaded first when it is not.
+    """The router and the served model ``name`` (any task; a LoRA adapter's base, whose
+    tokenizer it shares), loaded first when it is not.
 
     Raises:
         APIError: 404 for an unknown model; the 503s of a load (:meth:`Residency.acquire`).
     """
     residency: Residency = request.app.state.residency
+    adapter = request.app.state.adapters.find(name)
+    if adapter is not None:
+        name = adapter[0].base_name
     async with residency.serving(name, None) as served:
         yield request.app.state.router, served
 

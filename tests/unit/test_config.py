@@ -408,3 +408,72 @@ def test_gate_candidates_are_checked() -> None:
     assert "models.0.buckets.0.gate_candidates.1" in config_error(data)
     data["models"][0]["buckets"][0]["gate_candidates"] = []
     assert "models.0.buckets.0.gate_candidates" in config_error(data)
+
+
+def _with_lora(lora: dict[str, Any], model: int = 0) -> dict[str, Any]:
+    data = make_config_data()
+    data["models"][model]["lora"] = lora
+    return data
+
+
+def test_a_lora_block_fills_its_defaults() -> None:
+    config = parse_config(_with_lora({"adapters": [{"name": "gen-sql", "path": "/adapters/sql"}]}))
+    lora = config.models[0].lora
+    assert lora is not None and (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, lora.adapters_dir) == (8, 16, 32, None)
+    assert lora.adapters[0].name == "gen-sql"
+
+
+@pytest.mark.parametrize("lora, model, message", [
+    ({}, 1, "models.1.lora: only a generation model serves LoRA adapters; emb embeds"),
+    ({"max_loras": 0}, 0, "models.0.lora.max_loras: Input should be greater than or equal to 1"),
+    ({"max_loras": 8, "max_cpu_loras": 4}, 0, "models.0.lora.max_cpu_loras: 4 is below max_loras 8"),
+    ({"max_lora_rank": 0}, 0, "models.0.lora.max_lora_rank"),
+    ({"adapters": [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]}, 0, "models.0.lora.adapters: names must be unique"),
+    ({"adapters": [{"name": "emb", "path": "/x"}]}, 0, "models.0.lora.adapters.0.name: 'emb' is already a model's name"),
+    ({"adapters": [{"name": "gen", "path": "/x"}]}, 0, "an adapter is named like its base model 'gen'"),
+    ({"adapters": [{"name": "a"}]}, 0, "models.0.lora.adapters.0.path: Field required"),
+    ({"max_lora": 8}, 0, "models.0.lora.max_lora: Extra inputs are not permitted"),
+])
+def test_a_bad_lora_block_names_its_field(lora: dict[str, Any], model: int, message: str) -> None:
+    assert message in config_error(_with_lora(lora, model))
+
+
+def test_adapter_names_are_unique_across_base_models() -> None:
+    data = _with_lora({"adapters": [{"name": "a", "path": "/x"}]})
+    data["models"].append({**copy.deepcopy(data["models"][0]), "name": "gen2"})
+    assert "models.2.lora.adapters.0.name: 'a' is already an adapter of 'gen'" in config_error(data)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "onnx"])
+def test_lora_refuses_backends_that_cannot_run_adapters(backend: str) -> None:
+    data = _with_lora({})
+    data["models"][0]["buckets"][1]["backend"] = backend
+    message = config_error(data)
+    assert "models.0.buckets.1.backend" in message and (backend == "onnx" or "cannot run LoRA adapters" in message)
+
+
+def test_lora_takes_auto_and_lean_backends() -> None:
+    data = _with_lora({})
+    data["models"][0]["buckets"][0]["backend"] = "auto"
+    data["models"][0]["buckets"][1]["backend"] = "lean"
+    assert parse_config(data).models[0].lora is not None
+
+
+def test_lora_on_a_process_slice_is_not_supported_yet() -> None:
+    data = _with_lora({})
+    data["slices"].append({"name": "iso", "isolation": "process"})
+    data["models"][0]["buckets"][1]["slice"] = "iso"
+    assert "models.0.lora: LoRA adapters on a slice with isolation: process are not supported yet" in config_error(data)
+
+
+def test_a_lora_models_gate_measures_only_kinds_that_run_adapters() -> None:
+    from gateway import gate
+
+    data = _with_lora({})
+    data["models"][0]["buckets"][0]["backend"] = "auto"
+    data["models"][0]["buckets"][1].update(backend="auto", gate_candidates=["compiled", "lean-int8"])
+    config = parse_config(data)
+    model = config.models[0]
+    assert gate.bucket_gate_config(config.gate, model.buckets[0], model).candidates == ["lean", "lean-int8", "lean-int4"]
+    assert gate.bucket_gate_config(config.gate, model.buckets[1], model).candidates == ["lean-int8"]
+    assert gate.bucket_gate_config(config.gate, model.buckets[1]).candidates == ["compiled", "lean-int8"]
