@@ -68,6 +68,9 @@ GROUP_COST_S = {
     "tests/unit/test_structured.py": 85,
     "tests/e2e/test_reconfigure.py": 81,
     "tests/e2e/test_model_residency.py": 80,  # measured beside the other worker, forked servers
+    "tests/unit/test_lora_runner.py": 62,  # alone, 2026-12-05 (AVX-512 machine); the LoRA modules below too
+    "tests/e2e/test_lora_admin.py": 55,
+    "tests/e2e/test_lora.py": 53,
     "tests/e2e/test_process_slices.py": 71,
     "tests/e2e/test_sampling_controls.py": 52,
     "tests/e2e/test_bench_load.py": 48,

@@ -20,7 +20,7 @@ from models.lora import LORA_TARGET_MODULES
 
 # Random A and B are drawn N(0, INIT_STD^2): large enough that greedy tokens change, small
 # enough that the model still writes text.
-INIT_STD = 0.05
+INIT_STD = 0.07
 
 
 def write_peft_adapter(

@@ -1,7 +1,7 @@
 """LoRA adapters served as model ids, batched together: each adapter's greedy output equals PEFT's
 merged model, a burst mixing adapters and the base equals each request alone with no step over
-``max_loras`` adapters, the prefix cache keeps adapters apart, and an adapter unloaded with a
-stream in flight finishes that stream first.
+``max_loras`` adapters, and the prefix cache keeps adapters apart. (Adding, removing, draining,
+the LRU and bad adapters: ``test_lora_admin.py``.)
 
 One gateway of its own: SmolLM2 with two buckets, the short one on ``lean-int4`` and the long
 one on ``eager``, so both backends apply adapters; ``max_loras`` 2 against four adapters.
@@ -13,7 +13,6 @@ Adapters are made here (``tests/lora_adapters.py``): random non-zero ``A`` and `
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 import yaml
 
 from models.source import default_cache_dir, model_folder
-from tests.e2e.conftest import GENERATE_MODEL, Server, run_server_process, wait_for
+from tests.e2e.conftest import GENERATE_MODEL, Server, run_server_process
 from tests.e2e.reference import assert_greedy_close, greedy_reference
 from tests.lora_adapters import merged_model, write_peft_adapter
 from tests.tiny_models import SMOLLM2_SOURCE
@@ -33,7 +32,7 @@ MAX_LORAS = 2
 MAX_TOKENS = 10
 # name -> (rank, seed, target modules or None for all seven); the last lives in adapters_dir.
 ADAPTERS = {"lora-r4": (4, 1, None), "lora-r8": (8, 2, None), "lora-r16": (16, 3, None)}
-DIR_ADAPTERS = {"lora-qv": (8, 4, ("q_proj", "v_proj")), "lora-late": (8, 5, None)}
+DIR_ADAPTERS = {"lora-qv": (8, 4, ("q_proj", "v_proj"))}
 PROMPTS = ("The three primary colors are", "Write one sentence about rivers:")
 # Longer than the short bucket (48 tokens): runs on the eager bucket.
 LONG_PROMPT = " ".join(["The old mill by the river ground flour for the whole valley every autumn."] * 5)
@@ -113,9 +112,9 @@ def test_each_adapter_equals_the_peft_merged_model_on_both_backends(server: Serv
             got = _complete(server, name, prompt)
             want = greedy_reference(model, got["prompt_token_ids"], MAX_TOKENS)
             assert_greedy_close(model, got["prompt_token_ids"], got["token_ids"], want)
-            outputs.setdefault(prompt, []).append(got["token_ids"])
-    for prompt, per_model in outputs.items():  # the adapters really change the output
-        assert len({tuple(t) for t in per_model}) >= len(per_model) - 1, (prompt, per_model)
+            outputs.setdefault(name, []).append(got["token_ids"])
+    for name in (*ADAPTERS, "lora-qv"):  # each adapter really changes the output
+        assert outputs[name] != outputs[BASE], name
 
 
 def test_a_burst_mixing_four_adapters_and_the_base_equals_each_request_alone(server: Server) -> None:
@@ -144,7 +143,7 @@ def test_a_burst_mixing_four_adapters_and_the_base_equals_each_request_alone(ser
 
 
 def test_the_same_prompt_under_two_adapters_never_shares_cached_kv(server: Server, references: dict[str, Any]) -> None:
-    prompt = LONG_PROMPT + " Once more:"
+    prompt = " ".join(["Bakers open early in the quiet town, and the bells ring twice before noon."] * 4)
     hits = lambda: sum(s["prefix_cache_hits"] for s in _stats(server).values())  # noqa: E731
     first = _complete(server, "lora-r8", prompt)
     before = hits()
@@ -157,34 +156,3 @@ def test_the_same_prompt_under_two_adapters_never_shares_cached_kv(server: Serve
     assert hits() > before  # its own blocks are found
     assert again["token_ids"] == first["token_ids"]
 
-
-def test_an_adapter_unloaded_with_a_stream_in_flight_finishes_the_stream_first(server: Server) -> None:
-    async def run() -> tuple[list[str], httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            chunks: list[str] = []
-            started = asyncio.Event()
-
-            async def stream() -> None:
-                body = {"model": "lora-late", "prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0, "stream": True,
-                        "ignore_eos": True}
-                async with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
-                    assert response.status_code == 200
-                    async for line in response.aiter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
-                            chunks.append(json.loads(line[6:])["choices"][0]["finish_reason"] or "")
-                            started.set()
-
-            streaming = asyncio.ensure_future(stream())
-            await asyncio.wait_for(started.wait(), 120)
-            unloaded = await client.delete(f"{server.url}/admin/models/{BASE}/adapters/lora-late")
-            await streaming
-            after = await client.post(f"{server.url}/v1/completions", json={"model": "lora-late", "prompt": "Hi", "max_tokens": 2})
-            return chunks, unloaded, after
-
-    chunks, unloaded, after = asyncio.run(run())
-    assert unloaded.status_code in (200, 204), unloaded.text
-    assert chunks[-1] == "length" and len(chunks) >= 48  # every token came, then the end
-    assert after.status_code == 404 and after.json()["error"]["param"] == "model"
-    listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
-    assert "lora-late" not in listed and "lora-r8" in listed
-    wait_for(lambda: all(s["num_running"] == 0 for s in _stats(server).values()), 30, "the buckets to go idle")
