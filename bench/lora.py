@@ -225,23 +225,29 @@ def measure_ttft(rank: int, threads: int, repeats: int) -> dict[str, Any]:
     names = [f"cold-{i}" for i in range(repeats)] + ["warm"]
     for seed, name in enumerate(names):
         write_peft_folder(adapters_dir / name, hf_config, rank, seed)
+    config = gateway_config(adapters_dir, rank, threads, max_cpu_loras=repeats + 2)
+    with local_gateway(config, "sluice-bench-lora-", MODEL) as (base_url, _, _):
+        return asyncio.run(_ttfts(base_url, repeats))
+
+
+def gateway_config(adapters_dir: Path, rank: int, threads: int, max_cpu_loras: int) -> dict[str, Any]:
+    """SmolLM2 on one ``lean-int4`` bucket of a thread slice of ``threads`` threads, serving every
+    adapter folder in ``adapters_dir`` (slots ``rank`` wide, two of them)."""
     batcher = {"kind": "continuous", "max_num_seqs": 8, "max_num_batched_tokens": 512}
-    config = {
+    return {
         "slices": [{"name": "cpu0", "device": "cpu", "num_threads": threads, "kv_cache_memory_bytes": "256MiB"}],
         "models": [{
             "name": MODEL, "source": SMOLLM2_SOURCE, "task": "generate", "max_model_len": 512,
             "buckets": [{"max_input_tokens": 512, "batcher": batcher, "slice": "cpu0", "backend": "lean", "quantization": "int4"}],
-            "lora": {"adapters_dir": str(adapters_dir), "max_loras": 2, "max_lora_rank": rank, "max_cpu_loras": repeats + 2},
+            "lora": {"adapters_dir": str(adapters_dir), "max_loras": 2, "max_lora_rank": rank, "max_cpu_loras": max_cpu_loras},
         }],
     }
-    with local_gateway(config, "sluice-bench-lora-", MODEL) as (base_url, _, _):
-        return asyncio.run(_ttfts(base_url, repeats))
 
 
 async def _ttfts(base_url: str, repeats: int) -> dict[str, Any]:
     """Interleaved rounds: base, warm adapter, then a cold adapter's first request."""
     times: dict[str, list[float]] = {"base": [], "warm": [], "cold": []}
-    async with httpx.AsyncClient(base_url=f"{base_url}/v1", timeout=300) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
         for model in (MODEL, "warm"):  # warm up both
             await _ttft_ms(client, model)
         for i in range(repeats):
