@@ -44,10 +44,12 @@ class LoadLoraAdapterBody(BaseModel):
 
 
 class UnloadLoraAdapterBody(BaseModel):
-    """vLLM's ``UnloadLoRAAdapterRequest`` without ``lora_int_id`` (ids are Sluice's own)."""
+    """vLLM's ``UnloadLoRAAdapterRequest``; ``lora_int_id`` only null (ids are Sluice's own),
+    as vLLM's client sends it when unset."""
 
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
     base_model_name: str | None = None
 
 
@@ -84,11 +86,12 @@ async def _add(request: Request[Any, Any, Any], registry: AdapterRegistry, name:
         raise APIError(409, f"The name '{name}' is already a model or an adapter", "invalid_request_error",
                        "name" if path_param == "path" else "lora_name", "model_exists")
     try:
-        entry = await registry.add(name, path)
+        entry = await registry.add(name, path, adapters.is_taken)
     except (LoraAdapterError, ModelError) as exc:
         raise adapter_error(exc, path_param) from None
-    if adapters.is_taken(name) and registry.known.get(name) is not entry:  # another add won the race
-        raise APIError(409, f"The name '{name}' is already a model or an adapter", "invalid_request_error", "name", "model_exists")
+    if entry is None:  # another add of the name won the race while this one read its folder
+        raise APIError(409, f"The name '{name}' is already a model or an adapter", "invalid_request_error",
+                       "name" if path_param == "path" else "lora_name", "model_exists")
     _audit(request, "add_adapter", registry.base_name, name, path)
     return {"id": name, "root": path, "parent": registry.base_name, "origin": entry.origin}
 
@@ -142,6 +145,8 @@ class VllmAdapterController(Controller):
     @post("/unload_lora_adapter", status_code=200)
     async def unload_lora_adapter(self, request: Request[Any, Any, Any]) -> str:
         body = await parse_body(request, UnloadLoraAdapterBody)
+        if body.lora_int_id is not None:
+            raise invalid_request("lora_int_id is not supported: name the adapter by lora_name", param="lora_int_id")
         registry = _only_registry(_adapters(request), body.base_model_name)
         if registry.find(body.lora_name) is None:
             raise APIError(404, f"The LoRA adapter '{body.lora_name}' cannot be found", "invalid_request_error",

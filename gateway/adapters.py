@@ -87,13 +87,16 @@ class AdapterRegistry:
         self.known: dict[str, AdapterEntry] = {a.name: AdapterEntry(a.name, a.path, "config") for a in base.lora.adapters}
         self._loaded: dict[str, LoraRequest] = {}
         self._last_used_s: dict[str, float] = {}
-        self._reading: dict[str, asyncio.Future[LoraRequest]] = {}
+        self._reading: dict[str, tuple[AdapterEntry, asyncio.Future[LoraRequest]]] = {}
 
     def update(self, lora: LoraConfig) -> None:
-        """Follow a changed ``lora`` block (limits, adapters_dir, configured adapters)."""
+        """Follow a changed ``lora`` block (limits, adapters_dir, configured adapters). Only the
+        configured adapters new to the block are added: one the admin removed stays removed."""
+        before = {a.name for a in self.lora.adapters}
         self.lora = lora
         for adapter in lora.adapters:
-            self.known.setdefault(adapter.name, AdapterEntry(adapter.name, adapter.path, "config"))
+            if adapter.name not in before:
+                self.known.setdefault(adapter.name, AdapterEntry(adapter.name, adapter.path, "config"))
 
     # -- names ---------------------------------------------------------------------------------
 
@@ -145,15 +148,23 @@ class AdapterRegistry:
         """
         lora = self._loaded.get(entry.name)
         if lora is None:
-            reading = self._reading.get(entry.name)
-            if reading is None:
-                reading = self._reading[entry.name] = asyncio.ensure_future(self._read_request(entry))
-                reading.add_done_callback(lambda _: self._reading.pop(entry.name, None))
+            pending = self._reading.get(entry.name)
+            if pending is None or pending[0] is not entry:  # a removed entry's read is not this one's
+                reading: asyncio.Future[LoraRequest] = asyncio.ensure_future(self._read_request(entry))
+                self._reading[entry.name] = (entry, reading)
+                reading.add_done_callback(lambda done: self._forget_read(entry.name, done))
+            else:
+                reading = pending[1]
             lora = await asyncio.shield(reading)
         if self.known.get(entry.name) is not entry or entry.is_draining:
             raise model_not_found(entry.name)
         self._last_used_s[entry.name] = self.clock()
         return AdapterLease(entry, lora)
+
+    def _forget_read(self, name: str, done: asyncio.Future[LoraRequest]) -> None:
+        pending = self._reading.get(name)
+        if pending is not None and pending[1] is done:
+            del self._reading[name]
 
     async def _read_request(self, entry: AdapterEntry) -> LoraRequest:
         try:
@@ -164,7 +175,8 @@ class AdapterRegistry:
                 param="model", code="invalid_lora_adapter",
             ) from None
         lora = LoraRequest(name=entry.name, adapter_id=next(_adapter_ids), weights=adapter)
-        self._keep(lora)
+        if self.known.get(entry.name) is entry and not entry.is_draining:
+            self._keep(lora)  # not a removed entry's: its weights must not stay, nor serve a new one of its name
         return lora
 
     def _keep(self, lora: LoraRequest) -> None:
@@ -182,14 +194,18 @@ class AdapterRegistry:
 
     # -- admin ---------------------------------------------------------------------------------
 
-    async def add(self, name: str, path: str) -> AdapterEntry:
-        """Read ``path`` now and serve it as ``name`` (the admin's add).
+    async def add(self, name: str, path: str, is_taken: Callable[[str], bool] | None = None) -> AdapterEntry | None:
+        """Read ``path`` now and serve it as ``name`` (the admin's add). None, registering
+        nothing, when ``name`` was taken while the folder was read (``is_taken``, else this
+        registry's names): two concurrent adds of one name, the second must not replace the first.
 
         Raises:
             LoraAdapterError: the folder cannot be served (nothing is registered).
             ModelError: the base model's config cannot be read.
         """
         adapter = await self.read(name, path)
+        if name in self.known or (is_taken is not None and is_taken(name)):
+            return None
         entry = self.known[name] = AdapterEntry(name, path, "admin")
         self._keep(LoraRequest(name=name, adapter_id=next(_adapter_ids), weights=adapter))
         return entry

@@ -178,3 +178,66 @@ def test_vllm_calls_need_base_model_name_when_two_models_serve_adapters(tiny: tu
     assert (caught.value.status_code, caught.value.param) == (400, "base_model_name")
     assert _only_registry(adapters, "base2").base_name == "base2"
     assert _only_registry(Adapters(lambda: models[:1], lambda m: None), None).base_name == "base"
+
+
+def test_concurrent_adds_of_one_name_register_one_and_refuse_the_others(tiny: tuple[Path, Path]) -> None:
+    async def main() -> None:
+        registry = _registry(tiny, [])
+        folder = str(Path(tiny[1]) / "a")
+        entries = await asyncio.gather(*(registry.add("dup", folder) for _ in range(4)))
+        added = [e for e in entries if e is not None]
+        assert len(added) == 1 and registry.known["dup"] is added[0]
+
+    asyncio.run(main())
+
+
+def test_a_read_finishing_after_its_adapter_was_removed_is_not_kept_nor_served_to_a_new_one(tiny: tuple[Path, Path]) -> None:
+    async def main() -> None:
+        registry = _registry(tiny, [])
+        read, paths = registry.read, []
+
+        async def counted_read(name: str, path: str) -> object:
+            paths.append(path)
+            return await read(name, path)
+
+        registry.read = counted_read  # type: ignore[method-assign,assignment]
+        old = registry.find("a")
+        assert old is not None
+        reading = asyncio.ensure_future(registry.lease(old))
+        await asyncio.sleep(0)  # its read has started
+        await registry.remove("a")
+        new = registry.find("a")  # the folder again: a new entry
+        assert new is not None and new is not old
+        lease = await registry.lease(new)
+        with pytest.raises(APIError):
+            await reading  # the removed entry's request: 404
+        assert registry._loaded["a"] is lease.lora and registry.stats()["loaded"] == ["a"]
+        assert lease.entry is new and len(paths) == 2  # the new entry read its own weights
+
+    asyncio.run(main())
+
+
+def test_a_config_change_does_not_bring_back_a_removed_configured_adapter(tiny: tuple[Path, Path]) -> None:
+    async def main() -> None:
+        base, adapters_dir = tiny
+        model = _model(base, adapters_dir)
+        model = model.model_copy(update={"lora": model.lora.model_copy(update={"adapters": []})})  # type: ignore[union-attr]
+        configured = ModelConfig.model_validate({**model.model_dump(), "lora": {
+            **model.lora.model_dump(), "adapters": [{"name": "cfg", "path": str(adapters_dir / "a")}]}})  # type: ignore[union-attr]
+        registry = AdapterRegistry(configured, lambda: AutoConfig.from_pretrained(base), Clock())
+        await registry.remove("cfg")
+        registry.update(configured.lora.model_copy(update={"max_cpu_loras": 5}))  # type: ignore[union-attr]
+        assert registry.find("cfg") is None
+        added = configured.lora.model_copy(update={"adapters": [*configured.lora.adapters,  # type: ignore[union-attr]
+                                                                 configured.lora.adapters[0].model_copy(update={"name": "cfg2"})]})  # type: ignore[union-attr]
+        registry.update(added)
+        assert registry.find("cfg2") is not None and registry.find("cfg") is None
+
+    asyncio.run(main())
+
+
+def test_vllm_unload_takes_a_null_lora_int_id_and_refuses_a_number() -> None:
+    from gateway.adapter_routes import UnloadLoraAdapterBody
+
+    assert UnloadLoraAdapterBody.model_validate({"lora_name": "x", "lora_int_id": None}).lora_int_id is None
+    assert UnloadLoraAdapterBody.model_validate({"lora_name": "x", "lora_int_id": 3}).lora_int_id == 3  # the route refuses it: 400
