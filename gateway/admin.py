@@ -241,6 +241,8 @@ class AdminController(Controller):
             name = data.get("name")
             if isinstance(name, str) and (name in engine.models or name in _loading(request)):
                 raise APIError(409, f"The model '{name}' is already served or loading", "invalid_request_error", "name", "model_exists")
+            if isinstance(name, str) and request.app.state.adapters.find(name) is not None:  # it would hide the adapter
+                raise APIError(409, f"The name '{name}' is a LoRA adapter's", "invalid_request_error", "name", "model_exists")
             config = _validated({**_config_data(engine.config), "models": [*_models_data(engine.config), data]})
             model = config.models[-1]
             if model.load == "on_demand":

@@ -103,7 +103,9 @@ class OpenAIController(Controller):
         """Every servable model, loaded or not, as :func:`model_card` describes it."""
         residency = _residency(request)
         cards = [model_card(residency, m) for m in list(residency.engine.config.models)]
-        cards += [adapter_card(residency, r, e.name, e.path) for r in _adapters(request).registries() for e in r.entries()]
+        model_ids = {card["id"] for card in cards}  # a model wins over an adapter of its name: listed once
+        cards += [adapter_card(residency, r, e.name, e.path) for r in _adapters(request).registries() for e in r.entries()
+                  if e.name not in model_ids]
         return {"object": "list", "data": cards}
 
     @get("/models/{model_id:path}")

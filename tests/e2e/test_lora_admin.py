@@ -241,3 +241,14 @@ def test_removing_an_adapter_refuses_it_at_once_and_lets_its_stream_finish(serve
             assert "drain-lora" not in stats["stats"]["loaded"] and not stats["stats"]["in_flight"]
 
     asyncio.run(main())
+
+
+def test_a_model_added_under_an_adapters_name_is_refused_and_models_are_listed_once(server: Server, folders: dict[str, Path]) -> None:
+    assert _add(server, "taken-lora", folders["good"]).status_code == 201
+    entry = {"name": "taken-lora", "source": SMOLLM2_SOURCE, "task": "generate", "max_model_len": 64, "load": "on_demand",
+             "buckets": [{"max_input_tokens": 64, "slice": "cpu0", "batcher": {"kind": "continuous", "max_num_seqs": 2}}]}
+    clash = httpx.post(f"{server.url}/admin/models", json=entry, headers=AUTH, timeout=60)
+    assert clash.status_code == 409 and _error(clash)["param"] == "name", clash.text
+    listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
+    assert listed.count("taken-lora") == 1 and len(listed) == len(set(listed))
+    assert _remove(server, "taken-lora").status_code == 200
