@@ -61,7 +61,7 @@ def _registry(adapters: Adapters, base: str) -> AdapterRegistry:
     registry = adapters.registry(base)
     if registry is None:
         raise APIError(404, f"The model '{base}' does not exist or serves no LoRA adapters (no lora block)",
-                       "invalid_request_error", "model", "model_not_found")
+                       "not_found_error", "model", "model_not_found")
     return registry
 
 
@@ -149,7 +149,7 @@ class VllmAdapterController(Controller):
             raise invalid_request("lora_int_id is not supported: name the adapter by lora_name", param="lora_int_id")
         registry = _only_registry(_adapters(request), body.base_model_name)
         if registry.find(body.lora_name) is None:
-            raise APIError(404, f"The LoRA adapter '{body.lora_name}' cannot be found", "invalid_request_error",
+            raise APIError(404, f"The LoRA adapter '{body.lora_name}' cannot be found", "not_found_error",
                            "lora_name", "model_not_found")
         await _remove(request, registry, body.lora_name)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -252,3 +252,11 @@ def test_a_model_added_under_an_adapters_name_is_refused_and_models_are_listed_o
     listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
     assert listed.count("taken-lora") == 1 and len(listed) == len(set(listed))
     assert _remove(server, "taken-lora").status_code == 200
+
+
+def test_a_404_of_the_adapter_calls_is_a_not_found_error_as_every_other_404(server: Server) -> None:
+    unknown_base = httpx.post(f"{server.url}/admin/models/no-such-model/adapters", json={"name": "x", "path": "/x"}, headers=AUTH, timeout=30)
+    unknown_adapter = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "no-such-lora"}, headers=AUTH, timeout=30)
+    unknown_model = httpx.post(f"{server.url}/v1/completions", json={"model": "no-such-lora", "prompt": "x"}, timeout=30)
+    for response in (unknown_base, unknown_adapter, unknown_model):
+        assert response.status_code == 404 and _error(response)["type"] == "not_found_error", response.text
