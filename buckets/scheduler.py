@@ -280,8 +280,10 @@ class Scheduler:
         num_pairs = sum(attended_pairs(seq.num_computed_tokens, n) for seq, n in scheduled.values())
         forward = ForwardInput(inputs, self.take_released(), self._block_copies, self._lora_loads)
         self._block_copies, self._lora_loads = [], []
-        num_loras = len({seq.lora.adapter_id for seq in seqs if seq.lora is not None})
-        self.counters.max_step_loras = max(self.counters.max_step_loras, num_loras)
+        num_loras = 0
+        if self.lora_slots is not None:  # a bucket without slots runs no adapter
+            num_loras = len({seq.lora.adapter_id for seq in seqs if seq.lora is not None})
+            self.counters.max_step_loras = max(self.counters.max_step_loras, num_loras)
         return StepPlan(
             step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted,
             num_decode_tokens=num_decode_tokens, num_attended_pairs=num_pairs, max_prefill_tokens=self.max_prefill_tokens,
@@ -369,6 +371,12 @@ class Scheduler:
         """Whether ``seq``'s LoRA adapter has or can take a runner slot now."""
         assert seq.lora is not None and self.lora_slots is not None
         return self.lora_slots.can_take(seq.lora.adapter_id)
+
+    def _lora_slot(self, seq: Sequence) -> int | None:
+        """The runner slot of ``seq``'s adapter (``None``: the base model)."""
+        if seq.lora is None or self.lora_slots is None:
+            return None
+        return self.lora_slots.slot_of(seq.lora.adapter_id)
 
     def _start_running(self, seq: Sequence) -> None:
         """``seq`` joins the running list; its adapter takes a slot (queued for loading into the
@@ -548,5 +556,5 @@ class Scheduler:
             prompt_token_ids=seq.prompt_token_ids if params.uses_prompt_tokens and in_prompt else None,
             num_top_logprobs=request.num_top_logprobs,
             prompt_logprob_token_ids=prompt_targets,
-            lora_slot=self.lora_slots.slot_of(seq.lora.adapter_id) if seq.lora is not None and self.lora_slots is not None else None,
+            lora_slot=self._lora_slot(seq),
         )
