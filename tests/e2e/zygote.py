@@ -40,6 +40,8 @@ import yaml
 
 CONFIG = Path(__file__).parent / "config.yaml"
 STOP_TIMEOUT_S = 30.0
+# How long a fork request waits for threads that are ending (a preload pool's) to be gone.
+THREAD_EXIT_TIMEOUT_S = 5.0
 # Between two checks for children that ended, when no request comes in.
 REAP_POLL_S = 0.05
 
@@ -110,8 +112,18 @@ def _serve_in_child(request: dict[str, Any]) -> int:
     return code or 0
 
 
+def _num_threads_settled(timeout_s: float = THREAD_EXIT_TIMEOUT_S) -> int:
+    """This process's thread count, once threads that are ending have gone (at most
+    ``timeout_s``): a pool the preload used (the prepack's, for one) may still be tearing its
+    native threads down when the first fork is asked for."""
+    deadline = time.monotonic() + timeout_s
+    while (num_threads := len(os.listdir("/proc/self/task"))) != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return num_threads
+
+
 def _fork(request: dict[str, Any]) -> int:
-    num_threads = len(os.listdir("/proc/self/task"))
+    num_threads = _num_threads_settled()
     if num_threads != 1:
         names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
         raise RuntimeError(f"the zygote has {num_threads} threads ({names}, Python: {threading.enumerate()}): forking it is not safe")
