@@ -252,6 +252,28 @@ def _check_inputs(
     context_lens: torch.Tensor,
 ) -> None:
     """The shape and dtype checks of the C++ kernel, with the same exception types."""
+    check_query_and_cache(query, key_cache, value_cache)
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(
+            f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}"
+        )
+    num_seqs = query.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {list(block_tables.shape)}"
+        )
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {list(context_lens.shape)}")
+
+
+def check_query_and_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """The checks every paged-attention kernel shares (shapes and dtypes only, no device reads).
+
+    Raises:
+        ValueError: ``query`` is not 3-D, the caches not 4-D of one shape or not contiguous, head
+        sizes differ, or ``num_heads`` is not a multiple of ``num_kv_heads``. TypeError: the
+        caches' dtype is neither the query's, int8, nor bfloat16 under a float32 query.
+    """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got shape {list(query.shape)}")
     if key_cache.dim() != 4:
@@ -268,24 +290,14 @@ def _check_inputs(
             "query must be floating point and key_cache and value_cache dtypes must match it (or be "
             f"int8, or bfloat16 under a float32 query), got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}"
         )
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise TypeError(
-            f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}"
-        )
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache and value_cache must be contiguous")
-    num_seqs, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if head_dim != key_cache.shape[3]:
         raise ValueError(f"query head_dim {head_dim} differs from the cache's head_dim {key_cache.shape[3]}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {list(block_tables.shape)}"
-        )
-    if context_lens.shape != (num_seqs,):
-        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {list(context_lens.shape)}")
 
 
 def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
