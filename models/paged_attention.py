@@ -4,7 +4,8 @@ Each sequence has one query token (its newest, whose K/V are already written) an
 its whole context, stored in fixed-size blocks of a shared cache: token ``t`` of sequence ``s``
 lives at ``key_cache[block_tables[s, t // block_size], t % block_size]``. This is the decode half
 of vLLM's paged attention; like vLLM's CPU backend, the work runs in one C++ kernel
-(``csrc/paged_attention.cpp``), compiled on first use with ``torch.utils.cpp_extension.load``.
+(``csrc/paged_attention.cpp``), compiled on first use with ``torch.utils.cpp_extension.load``;
+CUDA tensors over a float pool run our Triton kernel (:mod:`models.triton_attention`).
 Where the kernel cannot be built (``SLUICE_DISABLE_CPP_KERNELS=1``, no compiler or ninja, a build
 error) or the dtype or device is not one it handles, a pure-torch version gives the same result.
 
@@ -38,6 +39,8 @@ from typing import Any
 import structlog
 import torch
 import torch.nn.functional as F
+
+from models import cuda_attention
 
 log = structlog.get_logger(__name__)
 
@@ -93,8 +96,14 @@ def paged_decode_attention(
         ``[num_seqs, num_heads, head_dim]`` in the dtype of ``query``.
     Raises:
         TypeError: a dtype is wrong. ValueError: a shape, a context length, a block id or the
-        presence of the scales is.
+        presence of the scales is (on CUDA with Triton: shapes and dtypes only, no device reads).
+
+    CUDA tensors over a float pool go to the Triton kernel (:mod:`models.cuda_attention`), CPU
+    tensors to the C++ kernel, anything else to :func:`torch_paged_decode_attention`.
     """
+    kernels = cuda_attention.triton_for(query, key_cache) if key_scales is None and value_scales is None else None
+    if kernels is not None:
+        return kernels.triton_paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
     if query.dtype in KERNEL_DTYPES and key_cache.dtype in KERNEL_CACHE_DTYPES and query.device.type == "cpu":
         kernel = _KERNEL.module()
         if kernel is not None:

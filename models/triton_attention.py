@@ -30,6 +30,8 @@ before importing this module to run the kernels on CPU tensors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -153,8 +155,19 @@ def _prefill_kernel(
         tl.store(pointers, result.to(out.dtype.element_ty), mask=q_mask)
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How a decode call is cut: ``num_splits`` programs per (sequence, kv head), each over
+    ``tokens_per_split`` consecutive positions (a multiple of ``tile_tokens``, the positions one
+    loop iteration reads)."""
+
+    num_splits: int
+    tokens_per_split: int
+    tile_tokens: int
+
+
 def decode_num_splits(max_context_tokens: int, num_programs: int) -> int:
-    """How many splits a decode call runs: enough that the grid fills the GPU
+    """How many splits a decode call asks for: enough that the grid fills the GPU
     (``TARGET_PROGRAMS // num_programs``), no more than the context gives ``SPLIT_MIN_TOKENS``
     each, at most ``MAX_SPLITS``, at least 1.
 
@@ -166,6 +179,24 @@ def decode_num_splits(max_context_tokens: int, num_programs: int) -> int:
     by_length = -(-max_context_tokens // SPLIT_MIN_TOKENS)
     by_occupancy = TARGET_PROGRAMS // max(num_programs, 1)
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def decode_launch(
+    max_context_tokens: int, num_programs: int, group: int, head_dim: int, num_splits: int | None = None
+) -> DecodeLaunch:
+    """The cut of a decode call over tables of ``max_context_tokens`` capacity with ``num_programs``
+    (sequence, kv head) pairs of ``group`` query heads each, from host integers only.
+
+    The tile holds at most ``DECODE_TILE_ELEMENTS`` products (``group x tile x head_dim``, padded
+    to powers of two) and no more than a split's share; splits then cover whole tiles, so fewer
+    than ``num_splits`` (default :func:`decode_num_splits`) may run when the capacity is short.
+    """
+    wanted = num_splits or decode_num_splits(max_context_tokens, num_programs)
+    by_registers = DECODE_TILE_ELEMENTS // (triton.next_power_of_2(group) * _dim_pad(head_dim))
+    by_share = triton.next_power_of_2(-(-max_context_tokens // wanted))
+    tile_tokens = max(16, min(by_registers, by_share))
+    tokens_per_split = -(-max_context_tokens // (wanted * tile_tokens)) * tile_tokens
+    return DecodeLaunch(-(-max_context_tokens // tokens_per_split), tokens_per_split, tile_tokens)
 
 
 def triton_paged_decode_attention(
@@ -204,24 +235,20 @@ def triton_paged_decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    group_pad, dim_pad = triton.next_power_of_2(group), max(triton.next_power_of_2(head_dim), 16)
-    tile_tokens = max(16, DECODE_TILE_ELEMENTS // (group_pad * dim_pad))
-    max_context_tokens = block_tables.shape[1] * block_size
-    wanted = num_splits or decode_num_splits(max_context_tokens, num_seqs * num_kv_heads)
-    tokens_per_split = -(-max_context_tokens // (wanted * tile_tokens)) * tile_tokens
-    splits = -(-max_context_tokens // tokens_per_split)  # no split left wholly past the capacity
+    launch = decode_launch(block_tables.shape[1] * block_size, num_seqs * num_kv_heads, group, head_dim, num_splits)
+    splits = launch.num_splits
     part_max, part_sum, part_acc = _split_scratch(num_seqs, num_heads, splits, head_dim, query.device) if splits > 1 else (out, out, out)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, key_cache, value_cache, block_tables, context_lens, out, part_max, part_sum, part_acc, scale,
         *query.stride(), *key_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
-        num_heads, splits, tokens_per_split,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, DIM_PAD=dim_pad,
-        TILE_N=tile_tokens, IS_SPLIT=splits > 1,
+        num_heads, splits, launch.tokens_per_split,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        DIM_PAD=_dim_pad(head_dim), TILE_N=launch.tile_tokens, IS_SPLIT=splits > 1,
     )  # fmt: skip
     if splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             part_max, part_sum, part_acc, out, *out.stride()[:2], num_heads, splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), DIM_PAD=dim_pad,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), DIM_PAD=_dim_pad(head_dim),
         )  # fmt: skip
     return out
 
@@ -270,7 +297,7 @@ def triton_paged_prefill_attention(
         query, key_cache, value_cache, block_tables, segments[0], segments[1], segments[2], out, scale,
         *query.stride(), *key_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2], num_query_tiles,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=query.shape[1] // num_kv_heads,
-        DIM_PAD=max(triton.next_power_of_2(head_dim), 16), TILE_M=PREFILL_TILE_QUERIES, TILE_N=PREFILL_TILE_KEYS,
+        DIM_PAD=_dim_pad(head_dim), TILE_M=PREFILL_TILE_QUERIES, TILE_N=PREFILL_TILE_KEYS,
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
@@ -288,6 +315,11 @@ def _split_scratch(
         torch.empty(dims, dtype=torch.float32, device=device),
         torch.empty((*dims, head_dim), dtype=torch.float32, device=device),
     )
+
+
+def _dim_pad(head_dim: int) -> int:
+    """``head_dim`` padded to a power of two, at least 16 (``tl.dot``'s smallest side)."""
+    return max(triton.next_power_of_2(head_dim), 16)
 
 
 def _check_float_cache(key_cache: torch.Tensor) -> None:
