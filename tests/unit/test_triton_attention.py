@@ -27,6 +27,7 @@ from models.paged_attention import torch_paged_decode_attention
 UNUSED_BLOCK_ID = 1 << 30  # past a sequence's last block: never read
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 REPO = Path(__file__).resolve().parents[2]
+DecodeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # query, K, V, tables, lens
 
 
 def make_pool(
@@ -51,7 +52,7 @@ def make_tables(context_lens: list[int], block_size: int, num_blocks: int, extra
 
 def decode_problem(
     context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str = "cpu"
-) -> tuple[torch.Tensor, ...]:
+) -> DecodeArgs:
     """``(query, key_cache, value_cache, block_tables, context_lens)`` of one decode call."""
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
     key_cache, value_cache = make_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
@@ -202,7 +203,8 @@ def test_gpu_decode_matches_torch_at_smollm2_shapes(context_lens: list[int]) -> 
     args = decode_problem(context_lens, SMOLLM2_HEADS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM, GPU_BLOCK_SIZE, torch.bfloat16, "cuda")
     scale = SMOLLM2_HEAD_DIM**-0.5
     out = ta.triton_paged_decode_attention(*args, scale)
-    want = torch_paged_decode_attention(*(a.float() if a.is_floating_point() else a for a in args), scale)
+    query, key_cache, value_cache, tables, lens = args
+    want = torch_paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens, scale)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
     for num_splits in (1, 7):
         torch.testing.assert_close(ta.triton_paged_decode_attention(*args, scale, num_splits=num_splits).float(), want, atol=2e-2, rtol=0)
