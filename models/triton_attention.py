@@ -89,7 +89,7 @@ def _decode_kernel(
         tl.store(part_sum + part, running_sum, mask=head_mask)
         tl.store(part_acc + part[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
     else:
-        result = acc / running_sum[:, None]
+        result = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]  # an empty context: zeros
         pointers = out + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
         tl.store(pointers, result.to(out.dtype.element_ty), mask=q_mask)
 
@@ -104,8 +104,10 @@ def _reduce_kernel(
     split_mask, dim_mask = s < num_splits, d < HEAD_DIM
     part = (seq * num_heads + head) * num_splits + s
     split_max = tl.load(part_max + part, mask=split_mask, other=float("-inf"))
-    weight = tl.exp(split_max - tl.max(split_max, axis=0))  # an empty split (max -inf) weighs 0
+    top = tl.max(split_max, axis=0)
+    weight = tl.exp(split_max - tl.where(top > float("-inf"), top, 0.0))  # an empty split (max -inf) weighs 0
     total = tl.sum(tl.load(part_sum + part, mask=split_mask, other=0.0) * weight, axis=0)
+    total = tl.where(total > 0, total, 1.0)  # an empty context: zeros
     acc = tl.load(part_acc + part[:, None] * HEAD_DIM + d[None, :], mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
     result = tl.sum(acc * weight[:, None], axis=0) / total
     tl.store(out + seq * stride_os + head * stride_oh + d, result.to(out.dtype.element_ty), mask=dim_mask)
@@ -216,8 +218,9 @@ def triton_paged_decode_attention(
             the query's dtype or bfloat16 under a float32 query; on the query's device.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32; entries past a sequence's last
             block are never read.
-        context_lens: ``[num_seqs]`` int32 in ``[1, max_blocks_per_seq * block_size]`` (not
-            checked: checking would read device values).
+        context_lens: ``[num_seqs]`` int32 in ``[0, max_blocks_per_seq * block_size]`` (not
+            checked: checking would read device values); a 0 (a CUDA graph's padding row) reads
+            nothing and gives zeros.
         scale: multiplies ``q . k`` before the softmax.
         num_splits: splits of the context (``None``: :func:`decode_num_splits`); tests force it.
     Returns:

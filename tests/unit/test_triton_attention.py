@@ -22,7 +22,7 @@ from models import cuda_attention
 from models import triton_attention as ta
 from models.attention import PackedStep, PrefillSegment, attend_packed
 from models.kv_cache import KVShape, PagedKVCache
-from models.paged_attention import torch_paged_decode_attention
+from models.paged_attention import paged_decode_attention, torch_paged_decode_attention
 
 UNUSED_BLOCK_ID = 1 << 30  # past a sequence's last block: never read
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -95,6 +95,16 @@ def test_decode_reads_a_bfloat16_pool_under_a_float32_query_and_a_strided_query(
     want = torch_paged_decode_attention(strided, key_cache, value_cache, tables, lens, 0.25)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_an_empty_context_padding_row_gives_zeros_and_leaves_the_others_alone(num_splits: int) -> None:
+    query, key_cache, value_cache, tables, lens = decode_problem([40, 1], 4, 2, 16, 4, torch.float32)
+    lens[1] = 0
+    out = ta.triton_paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.25, num_splits=num_splits)
+    assert bool((out[1] == 0).all())
+    want = torch_paged_decode_attention(query[:1], key_cache, value_cache, tables[:1], lens[:1], 0.25)
+    torch.testing.assert_close(out[:1], want, atol=1e-5, rtol=0)
 
 
 def test_the_split_count_follows_host_integers_only() -> None:
@@ -234,3 +244,20 @@ def test_gpu_attend_packed_runs_triton_and_matches_the_cpu_path() -> None:
     assert "chunks" in vars(step)  # built: the chunk went to the Triton launch
     cpu_step, cpu_query, cpu_key, cpu_value = small_step(torch.float32)
     torch.testing.assert_close(got.cpu(), attend_packed(cpu_step, 0, cpu_query, cpu_key, cpu_value, 0.25), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_through_the_dispatch_is_captured_in_a_cuda_graph_and_replays_new_lengths() -> None:
+    """No host sync on the decode path: a capture would fail on one. The split count is fixed by
+    the table's width, so new context lengths replay the same graph."""
+    query, key_cache, value_cache, tables, lens = decode_problem([100, 3000], 9, 3, 64, 16, torch.bfloat16, "cuda")
+    scale = 0.125
+    paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
+    lens.copy_(torch.tensor([7, 2999], dtype=torch.int32))  # within each table's blocks
+    graph.replay()
+    want = torch_paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
