@@ -14,7 +14,10 @@ down to the registered attention function, which, per layer:
    (a chunk after earlier chunks, or after blocks reused from the prefix cache), widened or
    dequantized to the query's dtype. With a bfloat16 or int8 pool, a segment at position 0 thus
    attends over exact K/V (as vLLM's prefill does) and a later chunk over the stored ones, its
-   own tokens included.
+   own tokens included. On CUDA over a float pool (:mod:`models.cuda_attention`), the segments
+   at ``position > 0`` run instead in one launch of
+   :func:`models.triton_attention.triton_paged_prefill_attention`, which reads the pool through
+   their block tables (no gather); segments at position 0 stay on SDPA (flash attention on CUDA).
 
 Decode segments come first in the packed input (the scheduler orders them so), which lets step 2
 use a slice instead of an index. Without ``sluice_step`` (for example ``model.generate`` on the
@@ -24,11 +27,13 @@ same model) the function is plain SDPA attention, so the model stays usable as a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from models import cuda_attention
 from models.kv_cache import PagedKVCache
 from models.paged_attention import paged_decode_attention
 
@@ -77,6 +82,42 @@ class PackedStep:
     context_lens: torch.Tensor
     prefills: list[PrefillSegment]
     lora: LoraBatch | None = None
+
+    @cached_property
+    def chunks(self) -> ChunkBatch | None:
+        """The prefill segments at ``position > 0`` as one Triton launch's tensors (built on the
+        first layer that asks, on the pool's device; ``None`` when there are none)."""
+        return ChunkBatch.of(self.prefills, self.kv_cache.data.device)
+
+
+@dataclass(frozen=True)
+class ChunkBatch:
+    """A step's prefill chunks after a prefix, for one :func:`triton_paged_prefill_attention` call.
+
+    Fields:
+        segments: ``[3, num_chunks]`` int32 rows: packed start, token count, absolute position.
+        block_tables: ``[num_chunks, max_blocks]`` int32, each chunk's block table, zero-padded.
+        max_segment_tokens: the largest token count (a host integer: the launch grid).
+    """
+
+    segments: torch.Tensor
+    block_tables: torch.Tensor
+    max_segment_tokens: int
+
+    @classmethod
+    def of(cls, prefills: list[PrefillSegment], device: torch.device) -> ChunkBatch | None:
+        """The batch of ``prefills``' segments at ``position > 0``; ``None`` when there are none."""
+        chunks = [seg for seg in prefills if seg.position > 0]
+        if not chunks:
+            return None
+        rows = [[seg.start for seg in chunks], [seg.num_tokens for seg in chunks], [seg.position for seg in chunks]]
+        tables = [seg.block_ids.to(device, torch.int32) for seg in chunks if seg.block_ids is not None]
+        assert len(tables) == len(chunks), "a chunk after a prefix needs its block table"
+        return cls(
+            segments=torch.tensor(rows, dtype=torch.int32, device=device),
+            block_tables=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True),
+            max_segment_tokens=max(seg.num_tokens for seg in chunks),
+        )
 
 
 def packed_attention(
@@ -135,7 +176,19 @@ def attend_packed(step: PackedStep, layer: int, query: torch.Tensor, key: torch.
     out = query.new_empty(query.shape)
     if decoded is not None:
         out[:num_decode] = decoded
+    _attend_prefills(step, layer, query, key, value, scale, out)
+    return out
+
+
+def _attend_prefills(
+    step: PackedStep, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """Step 3 of the module docstring: each prefill segment's rows of ``out`` (``[T, num_heads,
+    head_dim]``, contiguous); the chunks after a prefix in one Triton launch on CUDA."""
+    kernels = cuda_attention.triton_for(query, step.kv_cache.key_cache(layer))
     for seg in step.prefills:
+        if kernels is not None and seg.position > 0:
+            continue  # in the one Triton launch below
         end = seg.start + seg.num_tokens
         if seg.position == 0:
             k, v = key[seg.start : end].transpose(0, 1).unsqueeze(0), value[seg.start : end].transpose(0, 1).unsqueeze(0)
@@ -144,7 +197,12 @@ def attend_packed(step: PackedStep, layer: int, query: torch.Tensor, key: torch.
             k, v = step.kv_cache.gather(layer, seg.block_ids, seg.position + seg.num_tokens, query.dtype)
         q = query[seg.start : end].transpose(0, 1).unsqueeze(0)
         out[seg.start : end] = _attend(q, k, v, seg.position, scale)[0].transpose(0, 1)
-    return out
+    chunks = step.chunks if kernels is not None else None
+    if kernels is not None and chunks is not None:
+        kernels.triton_paged_prefill_attention(
+            query, step.kv_cache.key_cache(layer), step.kv_cache.value_cache(layer), chunks.block_tables,
+            chunks.segments, chunks.max_segment_tokens, scale, out=out,
+        )
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, scale: float) -> torch.Tensor:

@@ -4,7 +4,8 @@ Each sequence has one query token (its newest, whose K/V are already written) an
 its whole context, stored in fixed-size blocks of a shared cache: token ``t`` of sequence ``s``
 lives at ``key_cache[block_tables[s, t // block_size], t % block_size]``. This is the decode half
 of vLLM's paged attention; like vLLM's CPU backend, the work runs in one C++ kernel
-(``csrc/paged_attention.cpp``), compiled on first use with ``torch.utils.cpp_extension.load``.
+(``csrc/paged_attention.cpp``), compiled on first use with ``torch.utils.cpp_extension.load``;
+CUDA tensors over a float pool run our Triton kernel (:mod:`models.triton_attention`).
 Where the kernel cannot be built (``SLUICE_DISABLE_CPP_KERNELS=1``, no compiler or ninja, a build
 error) or the dtype or device is not one it handles, a pure-torch version gives the same result.
 
@@ -38,6 +39,8 @@ from typing import Any
 import structlog
 import torch
 import torch.nn.functional as F
+
+from models import cuda_attention
 
 log = structlog.get_logger(__name__)
 
@@ -93,8 +96,14 @@ def paged_decode_attention(
         ``[num_seqs, num_heads, head_dim]`` in the dtype of ``query``.
     Raises:
         TypeError: a dtype is wrong. ValueError: a shape, a context length, a block id or the
-        presence of the scales is.
+        presence of the scales is (on CUDA with Triton: shapes and dtypes only, no device reads).
+
+    CUDA tensors over a float pool go to the Triton kernel (:mod:`models.cuda_attention`), CPU
+    tensors to the C++ kernel, anything else to :func:`torch_paged_decode_attention`.
     """
+    kernels = cuda_attention.triton_for(query, key_cache) if key_scales is None and value_scales is None else None
+    if kernels is not None:
+        return kernels.triton_paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
     if query.dtype in KERNEL_DTYPES and key_cache.dtype in KERNEL_CACHE_DTYPES and query.device.type == "cpu":
         kernel = _KERNEL.module()
         if kernel is not None:
@@ -252,6 +261,28 @@ def _check_inputs(
     context_lens: torch.Tensor,
 ) -> None:
     """The shape and dtype checks of the C++ kernel, with the same exception types."""
+    check_query_and_cache(query, key_cache, value_cache)
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(
+            f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}"
+        )
+    num_seqs = query.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {list(block_tables.shape)}"
+        )
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {list(context_lens.shape)}")
+
+
+def check_query_and_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """The checks every paged-attention kernel shares (shapes and dtypes only, no device reads).
+
+    Raises:
+        ValueError: ``query`` is not 3-D, the caches not 4-D of one shape or not contiguous, head
+        sizes differ, or ``num_heads`` is not a multiple of ``num_kv_heads``. TypeError: the
+        caches' dtype is neither the query's, int8, nor bfloat16 under a float32 query.
+    """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got shape {list(query.shape)}")
     if key_cache.dim() != 4:
@@ -268,24 +299,14 @@ def _check_inputs(
             "query must be floating point and key_cache and value_cache dtypes must match it (or be "
             f"int8, or bfloat16 under a float32 query), got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}"
         )
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise TypeError(
-            f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}"
-        )
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache and value_cache must be contiguous")
-    num_seqs, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if head_dim != key_cache.shape[3]:
         raise ValueError(f"query head_dim {head_dim} differs from the cache's head_dim {key_cache.shape[3]}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got shape {list(block_tables.shape)}"
-        )
-    if context_lens.shape != (num_seqs,):
-        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got shape {list(context_lens.shape)}")
 
 
 def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
