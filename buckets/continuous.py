@@ -23,8 +23,10 @@ from buckets.runner import ModelRunner
 from buckets.scheduler import Scheduler
 from buckets.sequence import FinishReason, Sequence
 from buckets.settings import ContinuousBatcherSettings
+from buckets.swap_space import SwapSpace, Swapper
 from buckets.stats import BatchObserver, BucketStats, Counters, step_time_stats
 from models.step_io import ForwardInput
+from policies.preemption import SwapCostModel
 from policies.priority import effective_priority
 from policies.step_time import StallFreeBudget
 
@@ -54,6 +56,10 @@ class ContinuousBatcher:
         tokenizer: a Hugging Face tokenizer; detokenizes outputs (``decode``).
         eos_token_ids: tokens that end a sequence with ``finish_reason="stop"``.
         clock: seconds, monotonic.
+        swap_costs: the runner's measured swap and recompute costs
+            (:meth:`models.causal_lm.CausalLMRunner.measure_swap_costs`), which ``preemption:
+            auto`` needs to ever swap. With ``preemption`` ``swap`` or ``auto`` the runner's
+            ``kv_cache.num_host_blocks`` size the host pool's books.
 
     Raises:
         ValueError: the runner's KV block size differs from ``settings.block_size``.
@@ -68,6 +74,7 @@ class ContinuousBatcher:
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
+        swap_costs: SwapCostModel | None = None,
     ) -> None:
         if runner.kv_cache.block_size != settings.block_size:
             raise ValueError(f"runner block_size {runner.kv_cache.block_size} != settings {settings.block_size}")
@@ -75,7 +82,11 @@ class ContinuousBatcher:
         self.settings = settings
         self.block_manager = BlockManager(runner.kv_cache.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.step_budget = StallFreeBudget(settings.tpot_target_s, settings.block_size, decode_only_factor=STALL_FREE_DECODE_FACTOR)
-        self.scheduler = Scheduler(settings, self.block_manager, clock, self._prefill_budget(settings))
+        self.swapper = None
+        if settings.preemption != "recompute":
+            space = SwapSpace(runner.kv_cache.num_host_blocks)
+            self.swapper = Swapper(settings.preemption, space, self.block_manager, swap_costs)
+        self.scheduler = Scheduler(settings, self.block_manager, clock, self._prefill_budget(settings), self.swapper)
         self.output = OutputProcessor(self.scheduler, tokenizer, clock)
         self.clock = clock
         self._eos_token_ids = eos_token_ids
@@ -130,6 +141,7 @@ class ContinuousBatcher:
             output = self.runner.run(plan.forward)
         except Exception as exc:  # a failed forward fails its requests, never the loop
             log.exception("step_failed", step_id=plan.step_id, num_seqs=len(plan.scheduled))
+            self.scheduler.unswap(plan)
             self._fail(plan.scheduled, BatchFailedError(f"forward failed: {exc}"))
             return
         ran = time.perf_counter()
@@ -179,6 +191,8 @@ class ContinuousBatcher:
             prefix_cache_queries=blocks.prefix_cache_queries,
             prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=self.scheduler.counters.num_preemptions,
+            num_swap_outs=self.scheduler.counters.num_swap_outs,
+            num_swap_ins=self.scheduler.counters.num_swap_ins,
             num_chunked_prefills=self.scheduler.counters.num_chunked_prefills,
             max_step_loras=self.scheduler.counters.max_step_loras,
             num_lora_loads=self.scheduler.counters.num_lora_loads,

@@ -17,10 +17,11 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    nothing decoding, or without a budget object, the whole ``max_num_batched_tokens``. A long
    prompt runs in chunks across steps, and the decodes beside it wait one chunk, never the
    whole prefill;
-2. a sequence whose blocks run out preempts by recompute: the victim (lowest effective
-   priority, latest arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes
-   back to the waiting queue under its original arrival time (so near the front), to recompute
-   its prompt and outputs when it resumes;
+2. a sequence whose blocks run out preempts: the victim (lowest effective priority, latest
+   arrival, :func:`policies.preemption.pick_victim`) frees its blocks and goes back to the
+   waiting queue under its original arrival time (so near the front), to recompute its prompt
+   and outputs when it resumes, or, with swap preemption (:mod:`buckets.swap_space`) when the
+   policy chooses it, with its KV copied to the host pool first and back when it resumes;
 3. if nothing was preempted, waiting sequences join in order of effective priority with aging
    (:class:`policies.priority.AgingPriorityQueue`) while blocks and budget allow, reusing
    prefix-cached blocks; a prompt longer than the (prefill) budget left runs as a first chunk.
@@ -53,6 +54,7 @@ from buckets.block_manager import BlockManager
 from buckets.errors import KVCapacityError, LoraSlotsError
 from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
+from buckets.swap_space import Swapper
 from models.step_io import ForwardInput, ForwardOutput, LoraRequest, SequenceInput, TokenLogprobs
 from policies.deadlines import is_expired
 from policies.lora_slots import LoraSlots
@@ -80,6 +82,8 @@ class StepPlan:
         max_prefill_tokens: the prefill tokens this step had room for at its start, counted as
             one chunk at position 0 (a deeper chunk attends more, so gets fewer).
         num_loras: distinct LoRA adapters among the scheduled sequences (at most ``max_loras``).
+        swapped_out: the victims swapped out while planning this step (their copies are in
+            ``forward.swap_out``; should the step fail, :meth:`Scheduler.unswap` has them recompute).
     """
 
     step_id: int
@@ -90,6 +94,7 @@ class StepPlan:
     num_attended_pairs: int = 0
     max_prefill_tokens: int = 0
     num_loras: int = 0
+    swapped_out: list[Sequence] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -98,7 +103,7 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         forward = self.forward
-        return not forward.sequences and not forward.released_seq_ids and not forward.block_copies and not forward.lora_loads
+        return not (forward.sequences or forward.released_seq_ids or forward.block_copies or forward.lora_loads or forward.swap_out)
 
 
 @dataclass(frozen=True)
@@ -158,10 +163,13 @@ class _StepBudget:
 
 @dataclass
 class SchedulerCounters:
-    """Totals since start: preemptions, prefill chunks that left part of a prompt for later, the
-    most distinct LoRA adapters in one step, and adapters copied into a runner slot."""
+    """Totals since start: preemptions (by recompute or swap), victims swapped out and swapped
+    back in, prefill chunks that left part of a prompt for later, the most distinct LoRA adapters
+    in one step, and adapters copied into a runner slot."""
 
     num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
     num_chunked_prefills: int = 0
     max_step_loras: int = 0
     num_lora_loads: int = 0
@@ -177,6 +185,7 @@ class Scheduler:
             ``enqueued`` stamp.
         prefill_budget: the step's prefill token budget beside running decodes; ``None``: the
             whole ``max_num_batched_tokens`` (fixed chunking).
+        swapper: swap preemption's books (``None``: victims always recompute).
     """
 
     def __init__(
@@ -185,8 +194,10 @@ class Scheduler:
         block_manager: BlockManager,
         clock: Callable[[], float],
         prefill_budget: PrefillBudget | None = None,
+        swapper: Swapper | None = None,
     ) -> None:
         self.settings = settings
+        self.swapper = swapper
         self.block_manager = block_manager
         self.clock = clock
         self.prefill_budget = prefill_budget
@@ -200,6 +211,7 @@ class Scheduler:
         self.lora_slots = LoraSlots(settings.max_loras) if settings.max_loras else None
         self._lora_loads: list[tuple[int, LoraRequest]] = []  # for the next plan
         self._step_ids = itertools.count()
+        self._swapped_out: list[Sequence] = []  # for the next plan
 
     def update_settings(self, settings: ContinuousBatcherSettings) -> None:
         """New budgets (and aging) from now on; the waiting queue is re-keyed when the aging changes.
@@ -209,6 +221,8 @@ class Scheduler:
         """
         if settings.max_loras != self.settings.max_loras:
             raise ValueError(f"max_loras is fixed when the bucket is built ({self.settings.max_loras}); rebuild it to change it")
+        if (settings.preemption, settings.swap_space_bytes) != (self.settings.preemption, self.settings.swap_space_bytes):
+            raise ValueError("preemption and swap_space_bytes are fixed when the bucket is built; rebuild it to change them")
         if settings.priority_aging_s != self.settings.priority_aging_s:
             waiting = AgingPriorityQueue[Sequence](settings.priority_aging_s)
             for seq in self.waiting:
@@ -278,8 +292,10 @@ class Scheduler:
         inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
         num_decode_tokens = sum(1 for seq, _ in scheduled.values() if not self._is_prefill(seq))
         num_pairs = sum(attended_pairs(seq.num_computed_tokens, n) for seq, n in scheduled.values())
-        forward = ForwardInput(inputs, self.take_released(), self._block_copies, self._lora_loads)
+        swap_out, swap_in = self.swapper.take_copies() if self.swapper is not None else ([], [])
+        forward = ForwardInput(inputs, self.take_released(), self._block_copies, self._lora_loads, swap_out, swap_in)
         self._block_copies, self._lora_loads = [], []
+        swapped_out, self._swapped_out = self._swapped_out, []
         num_loras = 0
         if self.lora_slots is not None:  # a bucket without slots runs no adapter
             num_loras = len({seq.lora.adapter_id for seq in seqs if seq.lora is not None})
@@ -287,7 +303,7 @@ class Scheduler:
         return StepPlan(
             step_id=next(self._step_ids), forward=forward, scheduled=seqs, num_preempted=num_preempted,
             num_decode_tokens=num_decode_tokens, num_attended_pairs=num_pairs, max_prefill_tokens=self.max_prefill_tokens,
-            num_loras=num_loras,
+            num_loras=num_loras, swapped_out=swapped_out,
         )
 
     def _step_budget(self) -> _StepBudget:
@@ -336,7 +352,6 @@ class Scheduler:
         sequence whose LoRA adapter finds no slot is passed over: see the module's docstring)."""
         if not self.waiting:
             return
-        manager = self.block_manager
         # Seats taken: running sequences and the pending forks of those still prefilling.
         num_seats = len(self.running) + sum(len(s.forks) for s in self.running)
         passed_over: list[Sequence] = []
@@ -349,23 +364,43 @@ class Scheduler:
                 continue
             if num_seats and num_seats + 1 + len(seq.forks) > self.settings.max_num_seqs:
                 break  # room for every choice of the request, or the whole room
-            num_known = seq.num_tokens
-            # Prompt logprobs need every prompt position's logits, which cached blocks lack:
-            # such a sequence skips the lookup and computes its whole prompt.
-            hashes = [] if seq.request.needs_prompt_logprobs else seq.block_hashes
-            num_cached = manager.num_cached_prefix_tokens(hashes, num_known)
-            num_tokens = budget.room(seq, num_cached, True)
-            if num_tokens == 0 or not manager.can_allocate(hashes, num_known, num_cached + num_tokens):
+            admitted = self._admit(seq, budget)
+            if admitted is None:
                 break
-            seq.num_computed_tokens = manager.allocate(seq.seq_id, hashes, num_known, num_cached + num_tokens)
-            assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
+            num_tokens, is_prefill = admitted
             self.waiting.pop()
             self._start_running(seq)
             num_seats += 1 + len(seq.forks)
             scheduled[seq.seq_id] = (seq, num_tokens)
-            budget.take(num_cached, num_tokens, True)
+            budget.take(seq.num_computed_tokens, num_tokens, is_prefill)
         for seq in passed_over:
             self._enqueue(seq)
+
+    def _admit(self, seq: Sequence, budget: _StepBudget) -> tuple[int, bool] | None:
+        """Blocks for waiting ``seq``'s tokens this step: a swapped-out sequence's copied back in,
+        another's fresh or from the prefix cache. Returns its tokens and whether they are
+        prefill; ``None``: they do not fit."""
+        if seq.status is SequenceStatus.SWAPPED:
+            assert self.swapper is not None, "a sequence swapped out without a swapper"
+            is_prefill = self._is_prefill(seq)
+            num_tokens = budget.room(seq, seq.num_computed_tokens, is_prefill)
+            if num_tokens == 0 or not self.swapper.can_swap_in(seq, num_tokens):
+                return None
+            self.swapper.swap_in(seq, num_tokens)
+            self.counters.num_swap_ins += 1
+            return num_tokens, is_prefill
+        manager = self.block_manager
+        num_known = seq.num_tokens
+        # Prompt logprobs need every prompt position's logits, which cached blocks lack:
+        # such a sequence skips the lookup and computes its whole prompt.
+        hashes = [] if seq.request.needs_prompt_logprobs else seq.block_hashes
+        num_cached = manager.num_cached_prefix_tokens(hashes, num_known)
+        num_tokens = budget.room(seq, num_cached, True)
+        if num_tokens == 0 or not manager.can_allocate(hashes, num_known, num_cached + num_tokens):
+            return None
+        seq.num_computed_tokens = manager.allocate(seq.seq_id, hashes, num_known, num_cached + num_tokens)
+        assert seq.num_computed_tokens == num_cached, "prefix hits changed between lookup and allocate"
+        return num_tokens, True
 
     def _can_take_slot(self, seq: Sequence) -> bool:
         """Whether ``seq``'s LoRA adapter has or can take a runner slot now."""
@@ -415,13 +450,29 @@ class Scheduler:
         self.waiting.push(seq, seq.request.priority, seq.arrival_s)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and put it at the front of the waiting queue (recompute later)."""
+        """Free ``seq``'s blocks and put it at the front of the waiting queue: swapped out when
+        the swapper takes it (its KV copied to the host pool), else to recompute later."""
+        is_swapped = self.swapper is not None and self.swapper.swap_out(seq)
         self._stop_running(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.PREEMPTED
+        if is_swapped:
+            seq.status = SequenceStatus.SWAPPED
+            self._swapped_out.append(seq)
+            self.counters.num_swap_outs += 1
+        else:
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self._enqueue(seq)
         self.counters.num_preemptions += 1
+
+    def unswap(self, plan: StepPlan) -> None:
+        """Have the victims ``plan`` swapped out recompute instead: its forward failed, so their
+        host blocks may hold no copy. Called by the batcher when the runner raised."""
+        for seq in plan.swapped_out:
+            if seq.status is SequenceStatus.SWAPPED and self.swapper is not None:
+                self.swapper.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.PREEMPTED
 
     def postprocess(self, plan: StepPlan, output: ForwardOutput) -> StepResult:
         """Record computed tokens, cache full blocks, append sampled tokens and finish the
@@ -524,6 +575,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.has_sampler_state:
             self._released.append(seq.seq_id)  # the runner holds its sampler state
+        if seq.status is SequenceStatus.SWAPPED and self.swapper is not None:
+            self.swapper.free(seq.seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self._stop_running(seq)
         elif seq.is_waiting:

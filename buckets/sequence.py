@@ -31,6 +31,7 @@ class SequenceStatus(enum.Enum):
     FORK_PENDING = "fork_pending"  # a choice waiting for its parent's prompt to be prefilled
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its blocks freed; recomputes prompt + outputs when resumed
+    SWAPPED = "swapped"  # waiting again, its KV in the host pool; copied back in when resumed
     FINISHED = "finished"
 
 
@@ -113,7 +114,7 @@ class Sequence:
 
     @property
     def is_waiting(self) -> bool:
-        return self.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+        return self.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED, SequenceStatus.SWAPPED)
 
     @property
     def num_uncomputed_tokens(self) -> int:

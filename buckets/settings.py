@@ -36,7 +36,13 @@ class ContinuousBatcherSettings:
     ``fixed`` lets prefill fill ``max_num_batched_tokens``.
 
     ``max_loras`` (0: none) is the number of LoRA adapter slots of the runner: the most distinct
-    adapters among running sequences, hence in one step (vLLM's ``--max-loras``)."""
+    adapters among running sequences, hence in one step (vLLM's ``--max-loras``).
+
+    ``preemption``: how a sequence preempted for want of KV blocks keeps its KV: ``recompute``
+    (dropped, recomputed when it resumes), ``swap`` (copied to a host pool of
+    ``swap_space_bytes`` and back when the pool has room, else recomputed) or ``auto`` (swapped
+    when recomputing would cost more than the copy both ways, by the runner's measured costs:
+    :func:`policies.preemption.should_swap`). Both are fixed for a bucket's life."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -46,6 +52,8 @@ class ContinuousBatcherSettings:
     chunked_prefill: Literal["stall_free", "fixed"] = "stall_free"
     tpot_target_ms: float | None = None
     max_loras: int = 0
+    preemption: Literal["recompute", "swap", "auto"] = "recompute"
+    swap_space_bytes: int = 0
 
     @property
     def tpot_target_s(self) -> float | None:

@@ -28,7 +28,8 @@ class BucketStats:
 
     Continuous batchers also report their KV pool (``kv_blocks_used`` of ``kv_blocks_total``,
     blocks of ``kv_block_size`` tokens, ``kv_blocks_evictable`` of the free ones still holding
-    prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions, and prefill
+    prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions (``num_preemptions``, by recompute or
+    swap; ``num_swap_outs`` of them swapped to the host pool, ``num_swap_ins`` swapped back), and prefill
     chunks that left part of a prompt for a later step, the most distinct LoRA adapters one step
     held (``max_step_loras``, at most ``max_loras``) and adapters copied into a runner slot
     (``num_lora_loads``), and their step-time model
@@ -67,6 +68,8 @@ class BucketStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
     num_chunked_prefills: int = 0
     max_step_loras: int = 0
     num_lora_loads: int = 0

@@ -127,7 +127,8 @@ def lora_slots(model: ModelConfig) -> int:
 def continuous_settings(config: ContinuousBatcherConfig, max_loras: int = 0) -> ContinuousBatcherSettings:
     return ContinuousBatcherSettings(
         config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
-        config.priority_aging_s, config.chunked_prefill, config.tpot_target_ms, max_loras,
+        config.priority_aging_s, config.chunked_prefill, config.tpot_target_ms, max_loras, config.preemption,
+        int(config.swap_space_bytes),
     )
 
 
@@ -209,9 +210,12 @@ class BucketBuilder:
         runner = runners.causal_lm_runner(loaded, num_blocks, knobs.block_size, label, config, info, kv_dtype, model.lora)
         log.info(
             "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
-            block_size=knobs.block_size, kv_cache_bytes=runner.kv_cache.nbytes,
+            block_size=knobs.block_size, kv_cache_bytes=runner.kv_cache.nbytes, num_host_blocks=runner.kv_cache.num_host_blocks,
         )
-        return ContinuousBatcher(runner, continuous_settings(knobs, lora_slots(model)), loaded.tokenizer, loaded.eos_token_ids)
+        swap_costs = runners.swap_costs(runner, info) if knobs.preemption == "auto" else None
+        return ContinuousBatcher(
+            runner, continuous_settings(knobs, lora_slots(model)), loaded.tokenizer, loaded.eos_token_ids, swap_costs=swap_costs,
+        )
 
     def _dynamic(
         self, model: ModelConfig, loaded: LoadedModel, config: BucketConfig, num_threads: int, info: dict[str, Any]

@@ -110,6 +110,11 @@ class ContinuousBatcherConfig(_Strict):
     # neither: an equal share of what the slice's other buckets leave.
     kv_cache_memory_bytes: ByteSize | None = Field(default=None, gt=0)
     kv_cache_memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    # A sequence preempted for want of KV blocks: recompute (its KV dropped, recomputed when it
+    # resumes), swap (its KV copied to a host pool of swap_space_bytes and back, when it fits),
+    # auto (swapped when recomputing costs more than the copy both ways, as measured at start).
+    preemption: Literal["recompute", "swap", "auto"] = "recompute"
+    swap_space_bytes: ByteSize = Field(default=ByteSize(0), ge=0)
 
     @model_validator(mode="after")
     def _one_budget(self) -> "ContinuousBatcherConfig":
@@ -118,6 +123,8 @@ class ContinuousBatcherConfig(_Strict):
                 "kv_cache_memory_fraction: set kv_cache_memory_bytes or kv_cache_memory_fraction, not both "
                 f"({self.kv_cache_memory_bytes}, {self.kv_cache_memory_fraction})"
             )
+        if self.preemption != "recompute" and self.swap_space_bytes == 0:
+            raise ValueError(f"swap_space_bytes: preemption {self.preemption} needs host memory to swap to (got 0)")
         return self
 
 

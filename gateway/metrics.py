@@ -258,7 +258,11 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("sluice_requests", "Requests by outcome.", labels=[*LABELS, "outcome"])
-        preemptions = CounterMetricFamily("sluice_preemptions", "Sequences preempted (recompute).", labels=list(LABELS))
+        preemptions = CounterMetricFamily("sluice_preemptions", "Sequences preempted (recompute or swap).", labels=list(LABELS))
+        swaps = CounterMetricFamily(
+            "sluice_kv_swaps", "Preempted sequences whose KV was copied to the host pool (out) or back (in).",
+            labels=[*LABELS, "direction"],
+        )
         waiting = GaugeMetricFamily("sluice_requests_waiting", "Requests queued, not yet running.", labels=list(LABELS))
         running = GaugeMetricFamily("sluice_requests_running", "Sequences running.", labels=list(LABELS))
         kv_usage = GaugeMetricFamily("sluice_kv_cache_usage_ratio", "KV blocks in use over the pool.", labels=list(LABELS))
@@ -281,6 +285,8 @@ class EngineCollector:
                 steps.add_metric(labels, stats.num_steps)
                 if stats.kind == "continuous":
                     preemptions.add_metric(labels, stats.num_preemptions)
+                    swaps.add_metric([*labels, "out"], stats.num_swap_outs)
+                    swaps.add_metric([*labels, "in"], stats.num_swap_ins)
                     kv_usage.add_metric(labels, stats.kv_usage)
                     for phase in STEP_PHASES:
                         phases.add_metric([*labels, phase], getattr(stats, f"step_{phase}_s"))
@@ -291,7 +297,7 @@ class EngineCollector:
         for slice_name, device_slice in self.engine.slices.items():
             busy.add_metric([slice_name], device_slice.busy_ratio())
             busy_s.add_metric([slice_name], device_slice.busy_s)
-        yield from (requests, preemptions, waiting, running, kv_usage, steps, phases, busy, busy_s)
+        yield from (requests, preemptions, swaps, waiting, running, kv_usage, steps, phases, busy, busy_s)
 
 
 class ResidencyCollector:

@@ -14,13 +14,14 @@ from typing import Any, TypeVar
 import structlog
 
 from gateway import gate
-from gateway.config import BucketConfig, GateConfig, LoraConfig, ModelConfig
+from gateway.config import BucketConfig, ContinuousBatcherConfig, GateConfig, LoraConfig, ModelConfig
 from models.backends.base import BackendUnavailableError, EncoderBackend, EncoderParts
 from models.backends.eager import EagerEncoder
 from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import CONFIGURED_KINDS, build_encoder
 from models.causal_lm import CausalLMRunner
 from models.loader import LoadedModel
+from policies.preemption import SwapCostModel, fit_swap_costs
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +123,23 @@ def lora_runner_kwargs(lora: LoraConfig | None) -> dict[str, Any]:
     return {} if lora is None else {"max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank}
 
 
+def swap_costs(runner: CausalLMRunner, info: dict[str, Any]) -> SwapCostModel | None:
+    """What preempting costs ``runner`` each way (:meth:`CausalLMRunner.measure_swap_costs`,
+    fitted by :func:`policies.preemption.fit_swap_costs`) for ``preemption: auto``; sets
+    ``info["swap_costs"]`` (milliseconds). ``None`` when its host pool holds no block."""
+    timings = runner.measure_swap_costs()
+    if timings is None:
+        log.warning("swap_space_holds_no_block", bytes_per_block=runner.kv_cache.bytes_per_block, running="recompute")
+        return None
+    costs = fit_swap_costs(timings.swap_out_s_per_block, timings.swap_in_s_per_block, timings.prefill_s_by_length)
+    info["swap_costs"] = {
+        "swap_out_ms_per_block": round(costs.swap_out_s_per_block * 1e3, 4),
+        "swap_in_ms_per_block": round(costs.swap_in_s_per_block * 1e3, 4),
+        "recompute_ms": {n: round(costs.recompute_s(n) * 1e3, 3) for n, _ in timings.prefill_s_by_length},
+    }
+    return costs
+
+
 def causal_lm_runner(
     loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any],
     kv_dtype: str | None = None, lora: LoraConfig | None = None,
@@ -129,7 +147,8 @@ def causal_lm_runner(
     """A decoder runner with backend ``label`` over a KV pool of ``kv_dtype`` (None: the
     model's dtype), with the adapter slots of ``lora`` (its model's block), warmed at the
     bucket's step shapes; eager when ``label`` cannot be built (logged)."""
-    lora_kwargs = lora_runner_kwargs(lora)
+    swap_space_bytes = int(config.batcher.swap_space_bytes) if isinstance(config.batcher, ContinuousBatcherConfig) else 0
+    lora_kwargs = {**lora_runner_kwargs(lora), "swap_space_bytes": swap_space_bytes}
 
     def build(on_fallback: OnFallback) -> CausalLMRunner:
         runner = CausalLMRunner(

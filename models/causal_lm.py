@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -57,6 +58,9 @@ class CausalLMRunner:
             loaded by :attr:`ForwardInput.lora_loads`, picked per sequence by
             :attr:`SequenceInput.lora_slot`. 0: LoRA off (nothing allocated, no hooks).
         max_lora_rank: the highest adapter rank a slot takes (lower ranks are zero-padded to it).
+        swap_space_bytes: host memory for swap preemption's host pool
+            (:class:`models.kv_cache.HostKVPool`): ``swap_space_bytes // bytes_per_block`` blocks;
+            0: none.
 
     Raises:
         ValueError: an unknown ``backend`` or ``kv_cache_dtype``, a negative ``max_loras``, or
@@ -71,7 +75,7 @@ class CausalLMRunner:
     def __init__(
         self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None,
         eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, kv_cache_dtype: str | None = None,
-        max_loras: int = 0, max_lora_rank: int = 16,
+        max_loras: int = 0, max_lora_rank: int = 16, swap_space_bytes: int = 0,
     ):
         if backend not in DECODER_FACTORIES:
             raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
@@ -85,7 +89,9 @@ class CausalLMRunner:
         self.kv_shape = KVShape.from_config(model.config)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_cache = PagedKVCache(self.kv_shape, num_blocks, block_size, storage_dtype(kv_cache_dtype, self.dtype), self.device)
+        kv_dtype = storage_dtype(kv_cache_dtype, self.dtype)
+        num_host_blocks = swap_space_bytes // (block_size * self.kv_shape.bytes_per_token_in(kv_dtype))
+        self.kv_cache = PagedKVCache(self.kv_shape, num_blocks, block_size, kv_dtype, self.device, num_host_blocks)
         # Build (first start on a machine: ~30 s) or load the decode kernel now, not in a request.
         self.uses_compiled_kernel = compiled_kernel_available()
         self._generators: dict[int, torch.Generator] = {}
@@ -132,8 +138,10 @@ class CausalLMRunner:
         for those with ``num_top_logprobs`` (a fork's from the row it sampled from), and prompt
         logprobs for those with ``prompt_logprob_token_ids`` (all from the raw logits,
         :mod:`models.logprobs`). A step where no sequence asks for logprobs computes none. The
-        ``block_copies`` run first, so a fork's block holds its parent's KV before either writes,
-        then the ``lora_loads``; a sequence runs its ``lora_slot``'s adapter, its forks too.
+        ``swap_out`` copies run first (the blocks a swapped-out victim freed may serve another
+        sequence in this step), then the ``block_copies``, so a fork's block holds its parent's
+        KV before either writes, the ``swap_in`` copies and the ``lora_loads``; a sequence runs
+        its ``lora_slot``'s adapter, its forks too.
 
         Raises:
             ValueError: a LoRA load or slot this runner cannot take (``max_loras`` 0, a slot out
@@ -144,7 +152,9 @@ class CausalLMRunner:
             self._histories.pop(seq_id, None)
             if self._matchers is not None:
                 self._matchers.release(seq_id)
+        self.kv_cache.swap_out(batch.swap_out)
         self.kv_cache.copy_blocks(batch.block_copies)
+        self.kv_cache.swap_in(batch.swap_in)
         for slot, request in batch.lora_loads:
             self._lora_stacks().load(slot, request.weights)
         if not batch.sequences:
@@ -258,6 +268,41 @@ class CausalLMRunner:
             self.kv_cache.restore_blocks(blocks, saved)
         return time.perf_counter() - started
 
+    def measure_swap_costs(self, prefill_lengths: Sequence[int] = SWAP_COST_PREFILL_LENGTHS) -> SwapTimings | None:
+        """Time what preempting costs each way, for ``preemption: auto``: copying a few blocks out
+        to the host pool and back (seconds per block each way, the best of :data:`_COST_REPEATS`),
+        and one-sequence prefills at ``prefill_lengths`` tokens (capped by the pool; the gateway
+        fits them as ``a + b n + c n^2``, :func:`policies.preemption.fit_swap_costs`). Called
+        once at start, after :meth:`warm_up`; the blocks it uses are put back. ``None`` without
+        a host pool.
+        """
+        cache = self.kv_cache
+        num_blocks = min(_COST_BLOCKS, cache.num_blocks, cache.num_host_blocks)
+        if num_blocks == 0:
+            return None
+        lengths = sorted({min(n, cache.num_blocks * cache.block_size) for n in prefill_lengths})
+        used = torch.arange(min(cache.num_blocks, max(_blocks_for((1, n), cache.block_size) for n in lengths)), device=self.device)
+        saved = cache.save_blocks(used)
+        try:
+            out_s = self._best_s(lambda: cache.swap_out([(i, i) for i in range(num_blocks)])) / num_blocks
+            in_s = self._best_s(lambda: cache.swap_in([(i, i) for i in range(num_blocks)])) / num_blocks
+            with torch.inference_mode():
+                prefills = [(n, self._best_s(lambda: self._forward(_scratch_step((1, n), used.tolist(), cache.block_size)))) for n in lengths]
+        finally:
+            cache.restore_blocks(used, saved)
+        return SwapTimings(out_s, in_s, prefills)
+
+    def _best_s(self, work: Callable[[], object]) -> float:
+        """The least wall seconds of :data:`_COST_REPEATS` runs of ``work`` (the device synchronized)."""
+        best_s = math.inf
+        for _ in range(_COST_REPEATS):
+            started = time.perf_counter()
+            work()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best_s = min(best_s, time.perf_counter() - started)
+        return best_s
+
     @module_calls
     def _forward(self, sequences: list[SequenceInput], backend: DecoderBackend | None = None) -> torch.Tensor:
         """The decoder's last hidden states for the packed tokens: ``[1, T, hidden_size]``, run on
@@ -337,6 +382,16 @@ class CausalLMRunner:
         return history
 
 
+@dataclasses.dataclass(frozen=True)
+class SwapTimings:
+    """What :meth:`CausalLMRunner.measure_swap_costs` timed: seconds to copy one KV block to the
+    host pool and back, and ``(num_tokens, seconds)`` of one-sequence prefills."""
+
+    swap_out_s_per_block: float
+    swap_in_s_per_block: float
+    prefill_s_by_length: list[tuple[int, float]]
+
+
 class _Sampling(NamedTuple):
     """One token to sample in a step: a sequence's, or a fork's from its parent's last row."""
 
@@ -349,6 +404,12 @@ class _Sampling(NamedTuple):
 # Prompt positions whose logits are computed at once for prompt logprobs (49,152-token
 # vocabulary: 48 MiB of float32 logits).
 _PROMPT_LOGPROB_ROWS = 256
+
+# What measure_swap_costs times: prefills of these lengths (tokens), copies of this many blocks,
+# each the best of this many runs.
+SWAP_COST_PREFILL_LENGTHS = (64, 256, 1024)
+_COST_BLOCKS = 8
+_COST_REPEATS = 3
 
 # A decode in a warm-up step sits at this position: its context spans two blocks.
 _WARM_UP_DECODE_BLOCKS = 2

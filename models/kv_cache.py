@@ -152,14 +152,23 @@ class PagedKVCache:
         block_size: tokens per block.
         dtype: of the storage: the model's dtype, bfloat16, or int8 (with scales, see the module
             docstring); device: the slice's.
+        num_host_blocks: blocks of the host pool for swap preemption (:meth:`swap_out`,
+            :meth:`swap_in`): the same per-block layout in CPU memory, pinned when ``device`` is
+            CUDA (so copies to and from it can run asynchronously); 0: none.
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` below 1.
+        ValueError: ``num_blocks`` or ``block_size`` below 1, or ``num_host_blocks`` below 0.
     """
 
-    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+    def __init__(
+        self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+        num_host_blocks: int = 0,
+    ):
+        if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
+            raise ValueError(
+                f"a KV pool needs num_blocks >= 1, block_size >= 1 and num_host_blocks >= 0, "
+                f"got {num_blocks}, {block_size} and {num_host_blocks}"
+            )
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -175,6 +184,7 @@ class PagedKVCache:
         # [num_layers, 2, num_blocks, block_size, num_kv_heads] float32 for int8, else None.
         self.scales = zeroed(dims[:-1], SCALE_DTYPE, device) if dtype == torch.int8 else None
         log.info("kv_pool_allocation_finished", kv_cache_bytes=num_bytes, duration_s=round(time.perf_counter() - started, 3))
+        self.host = HostKVPool(self.data, self.scales, num_host_blocks)
         # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]: slots in one flat dim.
         self._slots = self.data.view(shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
         self._scale_slots = None if self.scales is None else self.scales.view(*self._slots.shape[:-1])
@@ -235,6 +245,20 @@ class PagedKVCache:
         destinations = torch.tensor([dst for _, dst in copies], device=self.data.device)
         self.restore_blocks(destinations, self.save_blocks(sources))
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host pool (0: none)."""
+        return self.host.num_blocks
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, ``(device block, host block)`` pairs, every layer's K
+        and V (and scales); see :class:`HostKVPool`."""
+        self.host.copy_from_device(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks, ``(host block, device block)`` pairs."""
+        self.host.copy_to_device(pairs)
+
     def save_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A copy of blocks ``block_ids`` ``[n]`` (int64), every layer: data and scales (None unless
         int8); indexing with a tensor copies."""
@@ -260,3 +284,57 @@ class PagedKVCache:
             scales = self.scales[layer].index_select(1, block_ids).flatten(1, 2)[:, :num_tokens]  # [2, num_tokens, H]
             kv = (kv.to(torch.float32) * scales.unsqueeze(-1)).to(dtype or torch.float32)
         return kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+
+
+class HostKVPool:
+    """The host side of swap preemption: ``num_blocks`` blocks laid out as the device pool's
+    (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, int8 scales beside),
+    in CPU memory, pinned when the device pool is on CUDA. On a CPU device it is simply a
+    second CPU tensor (how the bookkeeping is tested).
+
+    Each direction is one indexed gather and one indexed scatter over all pairs. Out: the
+    blocks are gathered on the device, copied to the host (asynchronously into pinned memory on
+    CUDA, then the stream is synchronized, since the scatter into the pool runs on the CPU) and
+    scattered into their host blocks; nothing of the step has written KV yet, so the device blocks
+    may be handed to another sequence in the same step. In: the host blocks are gathered into a
+    pinned buffer, copied to the device without blocking the host, and scattered there on the
+    device's stream, ahead of the forward that reads them.
+    """
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor | None, num_blocks: int) -> None:
+        self.device = data.device
+        self.num_blocks = num_blocks
+        self._pin = data.device.type == "cuda"
+        self._pools = [(data, self._host_like(data, num_blocks))]
+        if scales is not None:
+            self._pools.append((scales, self._host_like(scales, num_blocks)))
+
+    def _host_like(self, pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        dims = (*pool.shape[:2], num_blocks, *pool.shape[3:])
+        if self._pin and num_blocks:  # written by swap_out before anything reads it
+            return torch.empty(dims, dtype=pool.dtype, pin_memory=True)
+        return zeroed(dims, pool.dtype, "cpu")
+
+    def copy_from_device(self, pairs: list[tuple[int, int]]) -> None:
+        """``(device block, host block)`` pairs: device to host."""
+        if not pairs:
+            return
+        sources = torch.tensor([device for device, _ in pairs], device=self.device)
+        destinations = torch.tensor([host for _, host in pairs])
+        for device_pool, host_pool in self._pools:
+            staged = device_pool.index_select(2, sources).to("cpu", non_blocking=self._pin)
+            if self._pin:
+                torch.cuda.current_stream(self.device).synchronize()
+            host_pool.index_copy_(2, destinations, staged)
+
+    def copy_to_device(self, pairs: list[tuple[int, int]]) -> None:
+        """``(host block, device block)`` pairs: host to device."""
+        if not pairs:
+            return
+        sources = torch.tensor([host for host, _ in pairs])
+        destinations = torch.tensor([device for _, device in pairs], device=self.device)
+        for device_pool, host_pool in self._pools:
+            dims = (*host_pool.shape[:2], len(pairs), *host_pool.shape[3:])
+            staged = torch.empty(dims, dtype=host_pool.dtype, pin_memory=self._pin)
+            torch.index_select(host_pool, 2, sources, out=staged)
+            device_pool.index_copy_(2, destinations, staged.to(self.device, non_blocking=self._pin))

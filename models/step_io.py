@@ -165,12 +165,19 @@ class ForwardInput:
     ``lora_loads`` are ``(slot, adapter)`` pairs: the runner copies each adapter's weights into
     that LoRA slot before the forward, replacing what the slot held (no running sequence uses a
     slot the scheduler reloads; :class:`policies.lora_slots.LoraSlots`).
+
+    Swap preemption (:mod:`buckets.swap_space`): ``swap_out`` are ``(device block, host block)``
+    pairs the runner copies to its host pool first, before the block copies and the forward (the
+    device blocks were freed by a victim this plan and may already serve another sequence in
+    it); ``swap_in`` are ``(host block, device block)`` pairs it copies back before the forward.
     """
 
     sequences: list[SequenceInput]
     released_seq_ids: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     lora_loads: list[tuple[int, LoraRequest]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

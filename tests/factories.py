@@ -12,7 +12,9 @@ from buckets.request import EmbeddingRequest, GenerationRequest, RequestEvent
 from buckets.scheduler import PrefillBudget, Scheduler
 from buckets.sequence import Sequence
 from buckets.settings import ContinuousBatcherSettings
+from buckets.swap_space import SwapSpace, Swapper
 from models.step_io import LoraRequest
+from policies.preemption import PreemptionMode, SwapCostModel
 
 # The fake tokenizer's end-of-sequence token id; make_sequence stops on it.
 EOS = 0
@@ -120,12 +122,18 @@ def make_scheduler(
     clock: FakeClock | None = None,
     prefill_budget: PrefillBudget | None = None,
     max_loras: int = 0,
+    preemption: PreemptionMode = "recompute",
+    num_host_blocks: int = 0,
+    swap_costs: SwapCostModel | None = None,
 ) -> Scheduler:
     """A real :class:`Scheduler` over a real :class:`BlockManager` of ``num_blocks`` blocks of
     ``block_size`` tokens, on ``clock`` (a fresh :class:`FakeClock` at 0 s by default), with
-    ``prefill_budget`` (none: prefill fills ``max_num_batched_tokens``) and ``max_loras`` LoRA slots."""
+    ``prefill_budget`` (none: prefill fills ``max_num_batched_tokens``) and ``max_loras`` LoRA slots;
+    with ``preemption`` ``swap`` or ``auto``, a :class:`Swapper` over ``num_host_blocks`` host
+    blocks and ``swap_costs``."""
     settings = ContinuousBatcherSettings(
-        max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, max_loras=max_loras
+        max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, max_loras=max_loras, preemption=preemption,
     )
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    return Scheduler(settings, manager, clock or FakeClock(), prefill_budget)
+    swapper = None if preemption == "recompute" else Swapper(preemption, SwapSpace(num_host_blocks), manager, swap_costs)
+    return Scheduler(settings, manager, clock or FakeClock(), prefill_budget, swapper)
