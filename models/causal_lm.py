@@ -33,6 +33,12 @@ from models.sampling import make_generator, sample
 from models.step_io import Constraint, ForwardInput, ForwardOutput, SamplingParams, SequenceInput, TokenLogprobs
 from models.structured_sampling import SequenceMatchers, TokenMask
 
+# What measure_swap_costs times: prefills of these lengths (tokens), copies of this many blocks,
+# each the best of this many runs.
+SWAP_COST_PREFILL_LENGTHS = (64, 256, 1024)
+_COST_BLOCKS = 8
+_COST_REPEATS = 3
+
 
 class CausalLMRunner:
     """Runs steps of a Hugging Face decoder loaded with :data:`models.attention.ATTENTION_NAME`.
@@ -404,12 +410,6 @@ class _Sampling(NamedTuple):
 # Prompt positions whose logits are computed at once for prompt logprobs (49,152-token
 # vocabulary: 48 MiB of float32 logits).
 _PROMPT_LOGPROB_ROWS = 256
-
-# What measure_swap_costs times: prefills of these lengths (tokens), copies of this many blocks,
-# each the best of this many runs.
-SWAP_COST_PREFILL_LENGTHS = (64, 256, 1024)
-_COST_BLOCKS = 8
-_COST_REPEATS = 3
 
 # A decode in a warm-up step sits at this position: its context spans two blocks.
 _WARM_UP_DECODE_BLOCKS = 2
