@@ -141,7 +141,8 @@ class ContinuousBatcher:
             output = self.runner.run(plan.forward)
         except Exception as exc:  # a failed forward fails its requests, never the loop
             log.exception("step_failed", step_id=plan.step_id, num_seqs=len(plan.scheduled))
-            self.scheduler.unswap(plan)
+            if self.swapper is not None:
+                self.swapper.unswap(plan.swapped_out)
             self._fail(plan.scheduled, BatchFailedError(f"forward failed: {exc}"))
             return
         ran = time.perf_counter()

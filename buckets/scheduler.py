@@ -83,7 +83,7 @@ class StepPlan:
             one chunk at position 0 (a deeper chunk attends more, so gets fewer).
         num_loras: distinct LoRA adapters among the scheduled sequences (at most ``max_loras``).
         swapped_out: the victims swapped out while planning this step (their copies are in
-            ``forward.swap_out``; should the step fail, :meth:`Scheduler.unswap` has them recompute).
+            ``forward.swap_out``; should the step fail, :meth:`Swapper.unswap` has them recompute).
     """
 
     step_id: int
@@ -464,15 +464,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self._enqueue(seq)
         self.counters.num_preemptions += 1
-
-    def unswap(self, plan: StepPlan) -> None:
-        """Have the victims ``plan`` swapped out recompute instead: its forward failed, so their
-        host blocks may hold no copy. Called by the batcher when the runner raised."""
-        for seq in plan.swapped_out:
-            if seq.status is SequenceStatus.SWAPPED and self.swapper is not None:
-                self.swapper.free(seq.seq_id)
-                seq.num_computed_tokens = 0
-                seq.status = SequenceStatus.PREEMPTED
 
     def postprocess(self, plan: StepPlan, output: ForwardOutput) -> StepResult:
         """Record computed tokens, cache full blocks, append sampled tokens and finish the

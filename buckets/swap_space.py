@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 
 from buckets.block_manager import BlockManager
-from buckets.sequence import Sequence
+from buckets.sequence import Sequence, SequenceStatus
 from policies.preemption import PreemptionMode, SwapCostModel, should_swap
 
 
@@ -154,6 +154,16 @@ class Swapper:
         """Release the host blocks of ``seq_id`` if it holds any (it ended while swapped out)."""
         if self.space.has_seq(seq_id):
             self.space.free(seq_id)
+
+    def unswap(self, seqs: list[Sequence]) -> None:
+        """Have swapped-out ``seqs`` recompute instead: the forward that was to copy them out
+        failed, so their host blocks may hold no copy. Called by the batcher when the runner
+        raised, with the plan's ``swapped_out``; a sequence that ended meanwhile is skipped."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.SWAPPED:
+                self.space.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.PREEMPTED
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The swap-out and swap-in pairs queued since the last plan, handed over once."""

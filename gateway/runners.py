@@ -135,7 +135,7 @@ def swap_costs(runner: CausalLMRunner, info: dict[str, Any]) -> SwapCostModel | 
     info["swap_costs"] = {
         "swap_out_ms_per_block": round(costs.swap_out_s_per_block * 1e3, 4),
         "swap_in_ms_per_block": round(costs.swap_in_s_per_block * 1e3, 4),
-        "recompute_ms": {n: round(costs.recompute_s(n) * 1e3, 3) for n, _ in timings.prefill_s_by_length},
+        "recompute_ms": {str(n): round(costs.recompute_s(n) * 1e3, 3) for n, _ in timings.prefill_s_by_length},
     }
     return costs
 

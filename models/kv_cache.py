@@ -315,6 +315,11 @@ class HostKVPool:
             return torch.empty(dims, dtype=pool.dtype, pin_memory=True)
         return zeroed(dims, pool.dtype, "cpu")
 
+    @property
+    def is_pinned(self) -> bool:
+        """Whether the host blocks sit in pinned memory (a CUDA device pool's)."""
+        return self._pools[0][1].is_pinned()
+
     def copy_from_device(self, pairs: list[tuple[int, int]]) -> None:
         """``(device block, host block)`` pairs: device to host."""
         if not pairs:

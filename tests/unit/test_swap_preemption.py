@@ -153,9 +153,10 @@ def test_a_failed_step_has_its_swapped_victims_recompute() -> None:
     scheduler = make_scheduler(num_blocks=4, block_size=2, preemption="swap", num_host_blocks=4)
     _, late = two_decoding(scheduler)
     plan = scheduler.schedule()
-    scheduler.unswap(plan)  # as the batcher does when the runner raised
+    assert scheduler.swapper is not None
+    scheduler.swapper.unswap(plan.swapped_out)  # as the batcher does when the runner raised
     assert late.status is SequenceStatus.PREEMPTED and late.num_computed_tokens == 0
-    assert scheduler.swapper is not None and scheduler.swapper.space.num_used_blocks == 0
+    assert scheduler.swapper.space.num_used_blocks == 0
 
 
 def test_a_victim_sharing_prefix_cached_blocks_takes_them_back_uncopied() -> None:
@@ -220,6 +221,32 @@ def test_a_batcher_swapping_under_pressure_reads_only_its_own_kv_and_gives_every
     assert runner.violations == []
     assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
     assert stats.num_finished == 4
+    assert batcher.block_manager.num_used_blocks == 0
+    assert batcher.swapper is not None and batcher.swapper.space.num_free_blocks == 12
+
+
+class FailingSwapRunner(SwapKVRunner):
+    """Raises on the first step that swaps a victim out, before copying anything."""
+
+    failed = False
+
+    def _run(self, batch: ForwardInput) -> ForwardOutput:
+        if batch.swap_out and not self.failed:
+            self.failed = True
+            raise RuntimeError("CUDA error: out of luck")
+        return super()._run(batch)
+
+
+def test_the_victims_of_a_failed_swapping_step_recompute_instead_of_reading_a_missing_copy() -> None:
+    runner = FailingSwapRunner(num_blocks=10, block_size=2, num_host_blocks=12)
+    settings = ContinuousBatcherSettings(4, 64, 2, preemption="swap", swap_space_bytes=1)
+    batcher = ContinuousBatcher(runner, settings, FakeTokenizer(), frozenset({EOS}), clock=FakeClock())
+    for i in range(4):
+        batcher.submit(make_request(3 + i, 8, name=f"r{i}", first_token=10 * i + 1, ignore_eos=True))
+    drain(batcher, max_steps=200)
+    stats = batcher.stats()
+    assert runner.failed and runner.violations == []
+    assert stats.num_failed > 0 and stats.num_finished > 0 and stats.num_finished + stats.num_failed == 4
     assert batcher.block_manager.num_used_blocks == 0
     assert batcher.swapper is not None and batcher.swapper.space.num_free_blocks == 12
 

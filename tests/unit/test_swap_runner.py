@@ -47,7 +47,7 @@ def test_blocks_swapped_out_and_back_in_hold_the_same_kv(dtype: torch.dtype) -> 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_a_cuda_pool_swaps_through_pinned_host_memory_and_back(dtype: torch.dtype) -> None:
     cache = PagedKVCache(SHAPE, num_blocks=2, block_size=BLOCK_SIZE, dtype=dtype, device="cuda", num_host_blocks=2)
-    assert cache.host._pools[0][1].is_pinned()
+    assert cache.host.is_pinned
     round_trip("cuda", dtype)
 
 
