@@ -57,7 +57,7 @@ class ContinuousBatcher:
         eos_token_ids: tokens that end a sequence with ``finish_reason="stop"``.
         clock: seconds, monotonic.
         swap_costs: the runner's measured swap and recompute costs
-            (:meth:`models.causal_lm.CausalLMRunner.measure_swap_costs`), which ``preemption:
+            (:func:`models.swap_costs.measure_swap_costs`), which ``preemption:
             auto`` needs to ever swap. With ``preemption`` ``swap`` or ``auto`` the runner's
             ``kv_cache.num_host_blocks`` size the host pool's books.
 

@@ -21,6 +21,7 @@ from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import CONFIGURED_KINDS, build_encoder
 from models.causal_lm import CausalLMRunner
 from models.loader import LoadedModel
+from models.swap_costs import measure_swap_costs
 from policies.preemption import SwapCostModel, fit_swap_costs
 
 log = structlog.get_logger(__name__)
@@ -124,10 +125,10 @@ def lora_runner_kwargs(lora: LoraConfig | None) -> dict[str, Any]:
 
 
 def swap_costs(runner: CausalLMRunner, info: dict[str, Any]) -> SwapCostModel | None:
-    """What preempting costs ``runner`` each way (:meth:`CausalLMRunner.measure_swap_costs`,
+    """What preempting costs ``runner`` each way (:func:`models.swap_costs.measure_swap_costs`,
     fitted by :func:`policies.preemption.fit_swap_costs`) for ``preemption: auto``; sets
     ``info["swap_costs"]`` (milliseconds). ``None`` when its host pool holds no block."""
-    timings = runner.measure_swap_costs()
+    timings = measure_swap_costs(runner)
     if timings is None:
         log.warning("swap_space_holds_no_block", bytes_per_block=runner.kv_cache.bytes_per_block, running="recompute")
         return None

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -32,12 +31,6 @@ from models.paged_attention import compiled_kernel_available
 from models.sampling import make_generator, sample
 from models.step_io import Constraint, ForwardInput, ForwardOutput, SamplingParams, SequenceInput, TokenLogprobs
 from models.structured_sampling import SequenceMatchers, TokenMask
-
-# What measure_swap_costs times: prefills of these lengths (tokens), copies of this many blocks,
-# each the best of this many runs.
-SWAP_COST_PREFILL_LENGTHS = (64, 256, 1024)
-_COST_BLOCKS = 8
-_COST_REPEATS = 3
 
 
 class CausalLMRunner:
@@ -272,42 +265,9 @@ class CausalLMRunner:
             raise BackendUnavailableError(f"{self._primary.name} decoder backend failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self.kv_cache.restore_blocks(blocks, saved)
+        if self.device.type == "cuda":  # the steps ran asynchronously: wait for them
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
-
-    def measure_swap_costs(self, prefill_lengths: Sequence[int] = SWAP_COST_PREFILL_LENGTHS) -> SwapTimings | None:
-        """Time what preempting costs each way, for ``preemption: auto``: copying a few blocks out
-        to the host pool and back (seconds per block each way, the best of :data:`_COST_REPEATS`),
-        and one-sequence prefills at ``prefill_lengths`` tokens (capped by the pool; the gateway
-        fits them as ``a + b n + c n^2``, :func:`policies.preemption.fit_swap_costs`). Called
-        once at start, after :meth:`warm_up`; the blocks it uses are put back. ``None`` without
-        a host pool.
-        """
-        cache = self.kv_cache
-        num_blocks = min(_COST_BLOCKS, cache.num_blocks, cache.num_host_blocks)
-        if num_blocks == 0:
-            return None
-        lengths = sorted({min(n, cache.num_blocks * cache.block_size) for n in prefill_lengths})
-        used = torch.arange(min(cache.num_blocks, max(_blocks_for((1, n), cache.block_size) for n in lengths)), device=self.device)
-        saved = cache.save_blocks(used)
-        try:
-            out_s = self._best_s(lambda: cache.swap_out([(i, i) for i in range(num_blocks)])) / num_blocks
-            in_s = self._best_s(lambda: cache.swap_in([(i, i) for i in range(num_blocks)])) / num_blocks
-            with torch.inference_mode():
-                prefills = [(n, self._best_s(lambda: self._forward(_scratch_step((1, n), used.tolist(), cache.block_size)))) for n in lengths]
-        finally:
-            cache.restore_blocks(used, saved)
-        return SwapTimings(out_s, in_s, prefills)
-
-    def _best_s(self, work: Callable[[], object]) -> float:
-        """The least wall seconds of :data:`_COST_REPEATS` runs of ``work`` (the device synchronized)."""
-        best_s = math.inf
-        for _ in range(_COST_REPEATS):
-            started = time.perf_counter()
-            work()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            best_s = min(best_s, time.perf_counter() - started)
-        return best_s
 
     @module_calls
     def _forward(self, sequences: list[SequenceInput], backend: DecoderBackend | None = None) -> torch.Tensor:
@@ -386,16 +346,6 @@ class CausalLMRunner:
         if history is None:
             history = self._histories[sampling.seq_id] = SequenceHistory(list(sampling.prompt_token_ids or []))
         return history
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapTimings:
-    """What :meth:`CausalLMRunner.measure_swap_costs` timed: seconds to copy one KV block to the
-    host pool and back, and ``(num_tokens, seconds)`` of one-sequence prefills."""
-
-    swap_out_s_per_block: float
-    swap_in_s_per_block: float
-    prefill_s_by_length: list[tuple[int, float]]
 
 
 class _Sampling(NamedTuple):

@@ -31,7 +31,7 @@ PreemptionMode = Literal["recompute", "swap", "auto"]
 @dataclass(frozen=True)
 class SwapCostModel:
     """What preempting a victim costs each way, measured by the runner when it starts
-    (:meth:`models.causal_lm.CausalLMRunner.measure_swap_costs`).
+    (:func:`models.swap_costs.measure_swap_costs`).
 
     Fields:
         swap_out_s_per_block: seconds to copy one KV block (every layer's K and V) from the

@@ -102,12 +102,13 @@ def test_swapped_out_sequences_give_the_greedy_tokens_of_a_pool_that_never_preem
 
 def test_the_runner_measures_copies_and_prefills_for_auto(tiny_llama: Any) -> None:
     from models.causal_lm import CausalLMRunner
+    from models.swap_costs import measure_swap_costs
 
     runner = CausalLMRunner(tiny_llama, 8, BLOCK_SIZE, swap_space_bytes=4 * BLOCK_SIZE * SHAPE.bytes_per_token_in(torch.float32))
     runner.kv_cache.data.normal_()
     before = runner.kv_cache.data.clone()
-    timings = runner.measure_swap_costs((4, 8, 64))
+    timings = measure_swap_costs(runner, (4, 8, 64))
     assert timings is not None and timings.swap_out_s_per_block > 0 and timings.swap_in_s_per_block > 0
     assert [n for n, _ in timings.prefill_s_by_length] == [4, 8, 32]  # capped by the pool's 32 tokens
     assert torch.equal(runner.kv_cache.data, before)  # the blocks it used are put back
-    assert CausalLMRunner(tiny_llama, 8, BLOCK_SIZE).measure_swap_costs() is None
+    assert measure_swap_costs(CausalLMRunner(tiny_llama, 8, BLOCK_SIZE)) is None
