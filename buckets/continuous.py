@@ -113,12 +113,15 @@ class ContinuousBatcher:
         """Use ``settings`` from the next step on (thread-safe: the worker applies them).
 
         Raises:
-            ValueError: ``block_size`` or ``enable_prefix_caching`` differ; they shape the KV pool.
+            ValueError: ``block_size`` or ``enable_prefix_caching`` differ (they shape the KV
+                pool), or ``preemption`` or ``swap_space_bytes`` (they shape the host pool).
         """
         if (settings.block_size, settings.enable_prefix_caching) != (
             self.settings.block_size, self.settings.enable_prefix_caching
         ):
             raise ValueError("block_size and enable_prefix_caching are fixed for a bucket's life")
+        if (settings.preemption, settings.swap_space_bytes) != (self.settings.preemption, self.settings.swap_space_bytes):
+            raise ValueError("preemption and swap_space_bytes are fixed for a bucket's life")
         self._pending_settings = settings
 
     def step(self) -> None:

@@ -221,8 +221,6 @@ class Scheduler:
         """
         if settings.max_loras != self.settings.max_loras:
             raise ValueError(f"max_loras is fixed when the bucket is built ({self.settings.max_loras}); rebuild it to change it")
-        if (settings.preemption, settings.swap_space_bytes) != (self.settings.preemption, self.settings.swap_space_bytes):
-            raise ValueError("preemption and swap_space_bytes are fixed when the bucket is built; rebuild it to change them")
         if settings.priority_aging_s != self.settings.priority_aging_s:
             waiting = AgingPriorityQueue[Sequence](settings.priority_aging_s)
             for seq in self.waiting:

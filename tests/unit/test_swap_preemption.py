@@ -223,6 +223,8 @@ def test_a_batcher_swapping_under_pressure_reads_only_its_own_kv_and_gives_every
     assert stats.num_finished == 4
     assert batcher.block_manager.num_used_blocks == 0
     assert batcher.swapper is not None and batcher.swapper.space.num_free_blocks == 12
+    with pytest.raises(ValueError, match="preemption and swap_space_bytes are fixed"):
+        batcher.update_settings(ContinuousBatcherSettings(4, 64, 2, preemption="auto", swap_space_bytes=1))
 
 
 class FailingSwapRunner(SwapKVRunner):
