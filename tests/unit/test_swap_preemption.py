@@ -12,7 +12,6 @@ from buckets.continuous import ContinuousBatcher
 from buckets.scheduler import Scheduler, StepPlan
 from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
-from buckets.swap_space import SwapSpace
 from gateway.config import parse_config
 from gateway.errors import ConfigError
 from models.step_io import ForwardInput, ForwardOutput
