@@ -24,9 +24,9 @@ SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8)
 def round_trip(device: str, dtype: torch.dtype) -> None:
     """Blocks 1 and 3 out to host blocks 2 and 0, the device pool scrambled, then back into 0 and 2."""
     cache = PagedKVCache(SHAPE, num_blocks=4, block_size=BLOCK_SIZE, dtype=dtype, device=device, num_host_blocks=3)
-    for layer in range(SHAPE.num_layers):
-        rows = torch.randn(4 * BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim, device=device)
-        cache.write(layer, torch.arange(4 * BLOCK_SIZE, device=device), rows, -rows)
+    cache.data.copy_(torch.randint(-127, 128, cache.data.shape) if dtype == torch.int8 else torch.randn(cache.data.shape))
+    if cache.scales is not None:
+        cache.scales.copy_(torch.rand(cache.scales.shape))
     before = cache.data.clone()
     scales = None if cache.scales is None else cache.scales.clone()
     cache.swap_out([(1, 2), (3, 0)])
