@@ -14,7 +14,7 @@ from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
 from gateway.config import parse_config
 from gateway.errors import ConfigError
-from models.step_io import ForwardInput, ForwardOutput
+from models.step_io import ForwardInput, ForwardOutput, LoraRequest
 from policies.preemption import SwapCostModel, fit_swap_costs, should_swap
 from policies.step_time import StepTimeFit
 from tests.factories import EOS, FakeClock, FakeTokenizer, make_request, make_scheduler, make_sequence
@@ -178,6 +178,26 @@ def test_a_victim_sharing_prefix_cached_blocks_takes_them_back_uncopied() -> Non
     while scheduler.has_work:
         step(scheduler)
     assert late.output_token_ids == [7] * 6
+    assert_pools_full(scheduler)
+
+
+def test_a_swapped_lora_sequence_gives_its_slot_back_and_takes_one_when_it_resumes() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=2, max_loras=2, preemption="swap", num_host_blocks=4)
+    early, late = (
+        make_sequence(make_request(3, 4, name=f"a{i}", first_token=1 + 10 * i, lora=LoraRequest(f"a{i}", i, None)))
+        for i in (1, 2)
+    )
+    scheduler.add(early)
+    scheduler.add(late)
+    while late.status is not SequenceStatus.SWAPPED:
+        step(scheduler)
+    assert scheduler.lora_slots is not None and scheduler.lora_slots.num_active == 1
+    while late.status is not SequenceStatus.RUNNING:
+        plan = step(scheduler)
+    assert scheduler.lora_slots.num_active == 1 and plan.forward.sequences[plan.scheduled.index(late)].lora_slot is not None
+    while scheduler.has_work:
+        step(scheduler)
+    assert late.output_token_ids == [7] * 4
     assert_pools_full(scheduler)
 
 
