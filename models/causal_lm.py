@@ -281,8 +281,6 @@ class CausalLMRunner:
             self.kv_cache.restore_blocks(blocks, saved)
         if self._graphs is not None and not self._graphs.try_capture(self._primary.name):
             self._graphs = None
-        if self.device.type == "cuda":  # the worker's stream may start on this work before it ends
-            torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
     @module_calls

@@ -15,11 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+from gateway.config import parse_config
+from gateway.runners import cuda_graph_sizes
 from models.attention import ATTENTION_NAME, register_attention
 from models.causal_lm import CausalLMRunner
 from models.cuda_graphs import CapturedStep, DecodeGraphs, capture_sizes, pad_decode_inputs
 from models.kv_cache import KVShape, PagedKVCache
 from models.step_io import ForwardInput, SamplingParams, SequenceInput
+from tests.unit.test_config import config_error, make_config_data
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -69,6 +72,21 @@ def test_capture_sizes_are_powers_of_two_to_8_then_every_16th_and_the_bucket_lim
     assert capture_sizes(1) == [1]
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_sizes(0)
+
+
+def test_cuda_graphs_default_to_the_slices_device_and_true_on_a_cpu_slice_is_refused() -> None:
+    data = make_config_data()
+    data["slices"].append({"name": "gpu0", "device": "cuda:0"})
+    buckets = data["models"][0]["buckets"]
+    buckets[0].update(slice="gpu0", slo={"tpot_p95_ms": 50, "max_batch": 100})
+    buckets[1]["batcher"].update(max_num_seqs=20)
+    bucket_on_gpu, bucket = parse_config(data, "test.yaml").models[0].buckets
+    assert cuda_graph_sizes(bucket_on_gpu, "cuda:0") == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]  # up to the tuner's max_batch
+    assert cuda_graph_sizes(bucket, "cpu") == []
+    buckets[1]["batcher"].update(cuda_graphs=False)
+    assert cuda_graph_sizes(parse_config(data, "test.yaml").models[0].buckets[1], "cuda:0") == []
+    buckets[1]["batcher"].update(cuda_graphs=True)
+    assert "models.0.buckets.1.batcher.cuda_graphs: true needs a GPU slice" in config_error(data)
 
 
 def decode_input(seq_id: int, token: int, position: int, table: list[int]) -> SequenceInput:
