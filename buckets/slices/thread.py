@@ -239,4 +239,4 @@ def device_stream(device: str) -> Any:
     import torch
 
     torch.cuda.set_device(device)
-    return torch.cuda.Stream(device)
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]

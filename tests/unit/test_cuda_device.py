@@ -4,10 +4,14 @@ by the GPU's model, and encoders on CUDA in half precision (the ``gpu`` tests)."
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 
-from buckets.slices.thread import device_stream
+from buckets.slices.thread import ThreadSlice, device_stream
 from gateway import gate
 from gateway.slice_worker import visible_devices, worker_config
 from models.backends.base import BackendUnavailableError, DecoderParts
@@ -29,8 +33,45 @@ def test_the_lean_kinds_refuse_a_decoder_off_the_cpu_before_any_work(kind: str) 
         build_decoder(kind, parts)
 
 
-def test_a_cpu_slice_worker_has_no_stream() -> None:
+class OneStepBatcher:
+    """A batcher with one step to run, which records the CUDA stream it ran on (None on a CPU)."""
+
+    kind = "dynamic"
+
+    def __init__(self) -> None:
+        self.stepped = threading.Event()
+        self.stream: Any = None
+
+    def seconds_until_ready(self, now: float) -> float | None:
+        return None if self.stepped.is_set() else 0.0
+
+    def head_priority(self, now: float) -> float:
+        return 0.0
+
+    def step(self) -> None:
+        self.stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+        self.stepped.set()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def step_once_on(device: str) -> tuple[ThreadSlice, OneStepBatcher]:
+    """A started slice on ``device`` that ran one step of a :class:`OneStepBatcher` (then stopped)."""
+    device_slice, batcher = ThreadSlice("s", device, num_threads=1), OneStepBatcher()
+    device_slice.attach(("m", "b", 0), SimpleNamespace(make_batcher=lambda: batcher, backend_info={}))  # type: ignore[arg-type]
+    device_slice.start()
+    try:
+        assert batcher.stepped.wait(timeout=30)
+    finally:
+        device_slice.stop()
+    return device_slice, batcher
+
+
+def test_a_cpu_slice_worker_steps_without_a_stream() -> None:
     assert device_stream("cpu") is None
+    device_slice, _ = step_once_on("cpu")
+    assert device_slice.stream is None
 
 
 @pytest.mark.parametrize(
@@ -60,6 +101,8 @@ def test_two_slice_workers_on_one_gpu_get_streams_of_their_own() -> None:
     first, second = device_stream("cuda:0"), device_stream("cuda:0")
     assert first != second and first.device == second.device == torch.device("cuda:0")
     assert first != torch.cuda.default_stream(0)
+    device_slice, batcher = step_once_on("cuda:0")
+    assert device_slice.stream is not None and batcher.stream == device_slice.stream
 
 
 @pytest.mark.gpu
@@ -69,7 +112,8 @@ def test_a_tiny_bert_on_cuda_in_half_precision_embeds_close_to_cpu_float32(dtype
 
     config = BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(0)
-    model = BertModel(config).eval()
+    model: Any = BertModel(config)
+    model.eval()
     batch = [[1, 5, 9, 2], [1, 7, 2], [1, 3, 4, 5, 6, 2]]
     want, want_padding = EmbeddingRunner(EagerEncoder(model), pad_token_id=0).embed(batch)
     on_gpu = model.to(device="cuda:0", dtype=dtype)

@@ -136,7 +136,8 @@ def tiny_llama(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     )
     config._attn_implementation = ATTENTION_NAME
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model: Any = LlamaForCausalLM(config)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def greedy_tokens(runner: CausalLMRunner) -> dict[int, list[int]]:
