@@ -37,6 +37,7 @@ import torch
 
 from models.attention import PackedStep
 from models.kv_cache import PagedKVCache
+from models.module_call_guard import GUARD
 from models.step_io import SequenceInput
 
 log = structlog.get_logger(__name__)
@@ -212,7 +213,7 @@ class DecodeGraphs:
         returns False (the runner then decodes eagerly)."""
         started = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), GUARD.module_calls():  # a capture runs modules as a step does
                 self.capture_all()
         except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eagerly
             log.warning("cuda_graphs_unavailable", backend=backend_name, error=f"{type(exc).__name__}: {exc}", running="eager")

@@ -185,13 +185,30 @@ def test_graphs_need_a_cuda_device_and_a_failed_capture_leaves_decodes_eager() -
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_decodes_equal_eager_decodes_on_a_gpu(dtype: torch.dtype) -> None:
-    model = tiny_llama("cuda:0", dtype)
+def test_cuda_graph_decodes_equal_eager_decodes_on_a_gpu() -> None:
+    model = tiny_llama("cuda:0")
     graphs = CausalLMRunner(model, NUM_BLOCKS, BLOCK_SIZE, cuda_graph_sizes=[1, 2, 4])
     graphs.warm_up([(1, 1), (1, 8)])
-    assert graphs.cuda_graph_sizes == [1, 2, 4]
+    assert graphs.cuda_graph_sizes == [1, 2, 4]  # empty: the capture failed (see the cuda_graphs_unavailable log)
     eager = CausalLMRunner(model, NUM_BLOCKS, BLOCK_SIZE)
     assert greedy_tokens(graphs) == greedy_tokens(eager)
     given = sorted({block for _, table in SEQUENCES.values() for block in table})
     torch.testing.assert_close(graphs.kv_cache.data[:, :, given], eager.kv_cache.data[:, :, given])
+
+
+@pytest.mark.gpu
+def test_a_bfloat16_graph_decode_is_close_to_eager_on_a_gpu() -> None:
+    """bfloat16 weights and KV: one decode step of 3 sequences (padded to 4) against eager's
+    hidden states (cuBLAS may pick other kernels for 4 rows than for 3, so not bitwise)."""
+    model = tiny_llama("cuda:0", torch.bfloat16)
+    graphs = CausalLMRunner(model, NUM_BLOCKS, BLOCK_SIZE, cuda_graph_sizes=[4], kv_cache_dtype="bfloat16")
+    graphs.warm_up([(1, 1)])
+    assert graphs.cuda_graph_sizes == [4]
+    eager = CausalLMRunner(model, NUM_BLOCKS, BLOCK_SIZE, kv_cache_dtype="bfloat16")
+    hidden = []
+    for runner in (graphs, eager):
+        prefill = [SequenceInput(seq_id=i, token_ids=p, position=0, block_table=t, do_sample=False, params=GREEDY) for i, (p, t) in SEQUENCES.items()]
+        runner.run(ForwardInput(prefill))
+        with torch.inference_mode():
+            hidden.append(runner._forward([decode_input(i, 1, len(p), t) for i, (p, t) in SEQUENCES.items()]).float())
+    torch.testing.assert_close(hidden[0], hidden[1], atol=3e-2, rtol=3e-2)
