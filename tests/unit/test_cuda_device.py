@@ -5,6 +5,7 @@ by the GPU's model, and encoders on CUDA in half precision (the ``gpu`` tests)."
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -66,6 +67,17 @@ def step_once_on(device: str) -> tuple[ThreadSlice, OneStepBatcher]:
     finally:
         device_slice.stop()
     return device_slice, batcher
+
+
+def test_onnx_refuses_a_cuda_device_without_the_cuda_provider_before_any_export(tmp_path: Path) -> None:
+    import onnxruntime
+
+    from models.backends.onnx import OnnxEncoder
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("onnxruntime-gpu is installed here")
+    with pytest.raises(BackendUnavailableError, match="no CUDAExecutionProvider for cuda:0"):
+        OnnxEncoder(None, tmp_path, "none", tmp_path, device="cuda:0")
 
 
 def test_a_cpu_slice_worker_steps_without_a_stream() -> None:
