@@ -135,7 +135,9 @@ class GraphCapture(Protocol):
 
 class CudaGraphCapture:
     """Captures with ``torch.cuda.CUDAGraph``, every graph in one memory pool (the largest is
-    captured first, so the smaller ones fit in its memory).
+    captured first, so the smaller ones fit in its memory). The capture is ``thread_local``: a
+    bucket is built (and captured) on a build thread while other buckets' workers keep stepping
+    on the same GPU, whose CUDA calls a ``global`` capture would forbid (failing their steps).
 
     Args:
         device: the CUDA device the forward runs on.
@@ -152,7 +154,7 @@ class CudaGraphCapture:
         forward()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = forward()
         torch.cuda.synchronize(self.device)
         return _CudaStep(graph, output)

@@ -94,7 +94,8 @@ class ThreadSlice:
         if self.device.startswith("cuda"):  # what the build queued on this thread's stream ends before the worker's reads it
             import torch
 
-            torch.cuda.synchronize(self.device)
+            # That stream only: a device-wide sync could meet another build's graph capture.
+            torch.cuda.current_stream(self.device).synchronize()
         if isinstance(batcher, ContinuousBatcher):  # by key: a detached batcher then holds no cycle through the slice
             batcher.watch_neighbours(functools.partial(self._num_running_beside, key))
         with self._wake:
@@ -233,7 +234,7 @@ def device_stream(device: str) -> Any:
     """A new ``torch.cuda.Stream`` on ``device`` (``cuda:N``) for a slice worker's steps, after
     making ``device`` the calling thread's current one; ``None`` for ``cpu``. Call it on the
     worker thread. The batchers are built on other threads: :meth:`ThreadSlice.attach`
-    synchronises the device after each build, before the worker may step it."""
+    synchronises the building thread's stream after each build, before the worker may step it."""
     if not device.startswith("cuda"):
         return None
     import torch
