@@ -152,11 +152,11 @@ class CudaGraphCapture:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         forward()
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = forward()
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         return _CudaStep(graph, output)
 
 
