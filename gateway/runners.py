@@ -143,8 +143,8 @@ def causal_lm_runner(
     """A decoder runner with backend ``label`` over a KV pool of ``kv_dtype`` (None: the
     model's dtype), with the adapter slots of ``lora`` (its model's block), warmed at the
     bucket's step shapes (its decode CUDA graphs captured then: :func:`cuda_graph_sizes`;
-    ``info["cuda_graphs"]`` lists the sizes captured); eager when ``label`` cannot be built
-    (logged). An eager runner without graphs is not warmed."""
+    ``info["cuda_graphs"]`` lists the sizes captured, empty when the capture failed); eager
+    when ``label`` cannot be built (logged). An eager runner without graphs is not warmed."""
     kwargs: dict[str, Any] = {
         **lora_runner_kwargs(lora), "eos_token_ids": loaded.eos_token_ids, "tokenizer": loaded.tokenizer,
         "kv_cache_dtype": kv_dtype, "cuda_graph_sizes": cuda_graph_sizes(config, loaded.device),
@@ -152,7 +152,8 @@ def causal_lm_runner(
 
     def warmed(runner: CausalLMRunner) -> CausalLMRunner:
         info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
-        info["cuda_graphs"] = runner.cuda_graph_sizes
+        if kwargs["cuda_graph_sizes"]:
+            info["cuda_graphs"] = runner.cuda_graph_sizes
         return runner
 
     def build(on_fallback: OnFallback) -> CausalLMRunner:
