@@ -115,6 +115,11 @@ class ContinuousBatcherConfig(_Strict):
     # auto (swapped when recomputing costs more than the copy both ways, as measured at start).
     preemption: Literal["recompute", "swap", "auto"] = "recompute"
     swap_space_bytes: ByteSize = Field(default=ByteSize(0), ge=0)
+    # Decode steps replayed as CUDA graphs captured at warm-up for batch sizes 1, 2, 4, 8 and
+    # every 16th up to max_num_seqs (or the SLO tuner's max_batch when larger); prefill, mixed and
+    # LoRA steps run eagerly (models/cuda_graphs.py). None: on for a bucket on a cuda slice, off
+    # on a CPU one; true on a CPU slice is an error.
+    cuda_graphs: bool | None = None
 
     @model_validator(mode="after")
     def _one_budget(self) -> "ContinuousBatcherConfig":
@@ -460,7 +465,13 @@ class GatewayConfig(_Strict):
             for j, bucket in enumerate(model.buckets):
                 if bucket.slice not in slice_names:
                     raise ValueError(f"models.{i}.buckets.{j}.slice: unknown slice {bucket.slice!r}; known: {slice_names}")
-                isolation = self.slices[slice_names.index(bucket.slice)].isolation
+                the_slice = self.slices[slice_names.index(bucket.slice)]
+                isolation = the_slice.isolation
+                if isinstance(bucket.batcher, ContinuousBatcherConfig) and bucket.batcher.cuda_graphs and the_slice.device == "cpu":
+                    raise ValueError(
+                        f"models.{i}.buckets.{j}.batcher.cuda_graphs: true needs a GPU slice; bucket {j} is on "
+                        f"{bucket.slice!r}, whose device is cpu (got true)"
+                    )
                 if model.load == "on_demand" and isolation != "thread":
                     raise ValueError(
                         f"models.{i}.load: on_demand needs its buckets on thread slices; bucket {j} is on "

@@ -114,8 +114,10 @@ def gate_key(model: ModelConfig, bucket: BucketConfig, loaded: LoadedModel, num_
 
 
 def machine_info(device: str, num_threads: int) -> dict[str, Any]:
-    """The CPU (or GPU) model, core count, threads and device a measurement ran on."""
-    info: dict[str, Any] = {"device": device, "num_threads": num_threads, "cpu_count": os.cpu_count(), "arch": platform.machine()}
+    """The CPU (or GPU) model, core count, threads and device a measurement ran on: ``cpu`` or
+    ``cuda`` (the GPU named by its model, not its ordinal, which a process slice's worker sees
+    as ``cuda:0``: :func:`gateway.slice_worker.visible_devices`)."""
+    info: dict[str, Any] = {"device": "cuda" if device.startswith("cuda") else device, "num_threads": num_threads, "cpu_count": os.cpu_count(), "arch": platform.machine()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -20,6 +20,7 @@ from models.backends.eager import EagerEncoder
 from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import CONFIGURED_KINDS, build_encoder
 from models.causal_lm import CausalLMRunner
+from models.cuda_graphs import capture_sizes
 from models.loader import LoadedModel
 from models.swap_costs import measure_swap_costs
 from policies.preemption import SwapCostModel, fit_swap_costs
@@ -141,31 +142,48 @@ def swap_costs(runner: CausalLMRunner, info: dict[str, Any]) -> SwapCostModel | 
     return costs
 
 
+def cuda_graph_sizes(config: BucketConfig, device: str) -> list[int]:
+    """The decode batch sizes a continuous bucket on ``device`` captures as CUDA graphs
+    (:func:`models.cuda_graphs.capture_sizes` up to ``max_num_seqs``, or its SLO's
+    ``max_batch`` when larger: the tuner may grow the batch that far); empty when its
+    ``cuda_graphs`` is false, or unset off a CUDA device."""
+    batcher = config.batcher
+    assert isinstance(batcher, ContinuousBatcherConfig)
+    is_on = batcher.cuda_graphs if batcher.cuda_graphs is not None else device.startswith("cuda")
+    if not is_on:
+        return []
+    return capture_sizes(max(batcher.max_num_seqs, config.slo.max_batch if config.slo is not None else 0))
+
+
 def causal_lm_runner(
     loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any],
     kv_dtype: str | None = None, lora: LoraConfig | None = None,
 ) -> Any:
     """A decoder runner with backend ``label`` over a KV pool of ``kv_dtype`` (None: the
     model's dtype), with the adapter slots of ``lora`` (its model's block), warmed at the
-    bucket's step shapes; eager when ``label`` cannot be built (logged)."""
-    swap_space_bytes = int(config.batcher.swap_space_bytes) if isinstance(config.batcher, ContinuousBatcherConfig) else 0
-    lora_kwargs = {**lora_runner_kwargs(lora), "swap_space_bytes": swap_space_bytes}
+    bucket's step shapes (its decode CUDA graphs captured then: :func:`cuda_graph_sizes`;
+    ``info["cuda_graphs"]`` lists the sizes captured, empty when the capture failed); eager
+    when ``label`` cannot be built (logged). An eager runner without graphs is not warmed."""
+    kwargs: dict[str, Any] = {
+        **lora_runner_kwargs(lora), "eos_token_ids": loaded.eos_token_ids, "tokenizer": loaded.tokenizer,
+        "kv_cache_dtype": kv_dtype, "cuda_graph_sizes": cuda_graph_sizes(config, loaded.device),
+        "swap_space_bytes": int(config.batcher.swap_space_bytes) if isinstance(config.batcher, ContinuousBatcherConfig) else 0,
+    }
 
-    def build(on_fallback: OnFallback) -> CausalLMRunner:
-        runner = CausalLMRunner(
-            loaded.model, num_blocks, block_size, backend=label, on_fallback=on_fallback, eos_token_ids=loaded.eos_token_ids,
-            tokenizer=loaded.tokenizer, kv_cache_dtype=kv_dtype, **lora_kwargs,
-        )
+    def warmed(runner: CausalLMRunner) -> CausalLMRunner:
         info["warm_up_s"] = round(runner.warm_up(gate.decoder_shapes(config)), 3)
+        if kwargs["cuda_graph_sizes"]:
+            info["cuda_graphs"] = runner.cuda_graph_sizes
         return runner
 
-    return _with_eager_fallback(
-        loaded.name, config, label, info, build,
-        lambda: CausalLMRunner(
-            loaded.model, num_blocks, block_size, eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer,
-            kv_cache_dtype=kv_dtype, **lora_kwargs,
-        ),
-    )
+    def build(on_fallback: OnFallback) -> CausalLMRunner:
+        return warmed(CausalLMRunner(loaded.model, num_blocks, block_size, backend=label, on_fallback=on_fallback, **kwargs))
+
+    def build_eager() -> CausalLMRunner:
+        runner = CausalLMRunner(loaded.model, num_blocks, block_size, **kwargs)
+        return warmed(runner) if kwargs["cuda_graph_sizes"] else runner
+
+    return _with_eager_fallback(loaded.name, config, label, info, build, build_eager)
 
 
 def _with_eager_fallback(

@@ -35,12 +35,22 @@ from models.openmp import release_thread_pool
 log = structlog.get_logger(__name__)
 
 
+def visible_devices(device: str, isolation: str) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for the worker of a slice on ``device``: a process slice's worker
+    sees its GPU alone (``cuda:N``: ``"N"``; a MIG instance: its UUID), as ``cuda:0``; ``None``
+    (leave it as it is) on a CPU, or for a Ray actor, whose GPUs Ray assigns."""
+    if isolation != "process" or device == "cpu":
+        return None
+    return device.removeprefix("cuda:")
+
+
 def worker_config(config: GatewayConfig, slice_name: str) -> GatewayConfig:
     """``config`` cut down to what slice ``slice_name``'s worker runs: that slice (as a thread
     slice of the worker) and the models with buckets on it, with those buckets alone. Each
-    bucket's share of the slice's KV memory stays what it is in the whole config."""
+    bucket's share of the slice's KV memory stays what it is in the whole config. A process
+    slice's GPU is the worker's ``cuda:0`` (:func:`visible_devices`)."""
     the_slice = next(s for s in config.slices if s.name == slice_name)
-    if the_slice.device.startswith("MIG-"):  # the worker sees only its MIG instance, as cuda:0
+    if visible_devices(the_slice.device, the_slice.isolation) is not None:
         the_slice = the_slice.model_copy(update={"device": "cuda:0"})
     models = []
     for model in config.models:
@@ -71,9 +81,10 @@ def run_slice_worker(conn: Connection, config_data: dict[str, Any], slice_name: 
     over ``conn`` until the gateway says stop or goes away, then fail what is left."""
     if threading.current_thread() is threading.main_thread():  # a Ray actor runs it on a thread of its own
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group; the gateway stops us
-    device = next(s["device"] for s in config_data["slices"] if s["name"] == slice_name)
-    if device.startswith("MIG-"):  # before CUDA starts in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = device
+    the_slice = next(s for s in config_data["slices"] if s["name"] == slice_name)
+    visible = visible_devices(the_slice["device"], the_slice.get("isolation", "thread"))
+    if visible is not None:  # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
     configure_logging(log_level)
     structlog.contextvars.bind_contextvars(slice_worker=slice_name)
     engine = Engine(worker_config(GatewayConfig.model_validate(config_data), slice_name), defer_gates=True)

@@ -20,6 +20,7 @@ from models.backends.base import BackendUnavailableError, DecoderBackend, Decode
 from models.backends.eager import EagerDecoder
 from models.backends.fallback import FallbackRunner, OnFallback
 from models.backends.registry import DECODER_FACTORIES, build_decoder, supports_lora
+from models.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from models.kv_cache import KVShape, PagedKVCache, storage_dtype
 from models.logits_processors import SequenceHistory
 from models.logprobs import token_logprobs
@@ -60,10 +61,16 @@ class CausalLMRunner:
         swap_space_bytes: host memory for swap preemption's host pool
             (:class:`models.kv_cache.HostKVPool`): ``swap_space_bytes // bytes_per_block`` blocks;
             0: none.
+        cuda_graph_sizes: the decode batch sizes :meth:`warm_up` captures as CUDA graphs
+            (:func:`models.cuda_graphs.capture_sizes`); empty: every step runs eagerly. The pool
+            then gets a pad block (:mod:`models.cuda_graphs`).
+        graph_capture: how graphs are captured; ``None``: :class:`models.cuda_graphs.CudaGraphCapture`
+            (tests pass a double that reruns the forward, to run graphs on a CPU).
 
     Raises:
-        ValueError: an unknown ``backend`` or ``kv_cache_dtype``, a negative ``max_loras``, or
-            ``max_lora_rank`` below 1 with ``max_loras > 0``.
+        ValueError: an unknown ``backend`` or ``kv_cache_dtype``, a negative ``max_loras``,
+            ``max_lora_rank`` below 1 with ``max_loras > 0``, or ``cuda_graph_sizes`` off a
+            CUDA device without a ``graph_capture``.
         BackendUnavailableError: ``max_loras > 0`` on a kind that cannot run adapters
             (:func:`models.backends.registry.supports_lora`: ``compiled``).
 
@@ -74,7 +81,8 @@ class CausalLMRunner:
     def __init__(
         self, model: Any, num_blocks: int, block_size: int, backend: str = "eager", on_fallback: OnFallback | None = None,
         eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, kv_cache_dtype: str | None = None,
-        max_loras: int = 0, max_lora_rank: int = 16, swap_space_bytes: int = 0,
+        max_loras: int = 0, max_lora_rank: int = 16, swap_space_bytes: int = 0, cuda_graph_sizes: Sequence[int] = (),
+        graph_capture: GraphCapture | None = None,
     ):
         if backend not in DECODER_FACTORIES:
             raise ValueError(f"backend must be one of {sorted(DECODER_FACTORIES)}, got {backend!r}")
@@ -88,9 +96,13 @@ class CausalLMRunner:
         self.kv_shape = KVShape.from_config(model.config)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if cuda_graph_sizes and graph_capture is None and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
         kv_dtype = storage_dtype(kv_cache_dtype, self.dtype)
         num_host_blocks = swap_space_bytes // (block_size * self.kv_shape.bytes_per_token_in(kv_dtype))
-        self.kv_cache = PagedKVCache(self.kv_shape, num_blocks, block_size, kv_dtype, self.device, num_host_blocks)
+        self.kv_cache = PagedKVCache(
+            self.kv_shape, num_blocks, block_size, kv_dtype, self.device, num_host_blocks, has_pad_block=bool(cuda_graph_sizes)
+        )
         # Build (first start on a machine: ~30 s) or load the decode kernel now, not in a request.
         self.uses_compiled_kernel = compiled_kernel_available()
         self._generators: dict[int, torch.Generator] = {}
@@ -111,6 +123,11 @@ class CausalLMRunner:
         self._forward_backend: DecoderBackend = (
             eager if self._primary.name == eager.name else FallbackRunner(self._primary, eager, on_fallback)
         )
+        self._graphs: DecodeGraphs | None = None
+        if cuda_graph_sizes:
+            max_blocks = min(num_blocks, -(-int(model.config.max_position_embeddings) // block_size))
+            capture = graph_capture or CudaGraphCapture(self.device)
+            self._graphs = DecodeGraphs(self._primary.hidden_states, self.kv_cache, cuda_graph_sizes, max_blocks, capture)
 
     @property
     def backend(self) -> str:
@@ -122,6 +139,11 @@ class CausalLMRunner:
         """The backend of the kind this runner was built for (steps run on eager instead once
         it failed): for the gate's hooks into a kind (:mod:`models.backends.decoder_gate`)."""
         return self._primary
+
+    @property
+    def cuda_graph_sizes(self) -> list[int]:
+        """The decode batch sizes replayed as CUDA graphs (empty: none captured, or graphs off)."""
+        return self._graphs.sizes if self._graphs is not None and self._graphs.is_captured else []
 
     @property
     def num_live_sequences(self) -> int:
@@ -244,7 +266,9 @@ class CausalLMRunner:
         ``num_tokens`` is 1, else of ``num_sequences`` prompts of ``num_tokens`` tokens. With the
         compiled backend, include ``(1, 1)``, ``(n, 1)`` for some ``n > 1`` and one prefill to
         compile every graph. The steps write K/V into the pool's first blocks, whose contents
-        are put back afterwards; no sampler state is created.
+        are put back afterwards; no sampler state is created. With ``cuda_graph_sizes``, the
+        decode graphs are captured last (the capture time logged as ``cuda_graphs_captured``);
+        a capture that fails logs ``cuda_graphs_unavailable`` and leaves decodes eager.
 
         Raises:
             BackendUnavailableError: a non-eager backend failed to compile or run (warm-up runs
@@ -267,12 +291,19 @@ class CausalLMRunner:
             self.kv_cache.restore_blocks(blocks, saved)
         if self.device.type == "cuda":  # the steps ran asynchronously: wait for them
             torch.cuda.synchronize(self.device)
+        # Once: a later warm-up (swap preemption's cost measurement) replays the graphs it has.
+        if self._graphs is not None and not self._graphs.is_captured and not self._graphs.try_capture(self._primary.name):
+            self._graphs = None
         return time.perf_counter() - started
 
     @module_calls
     def _forward(self, sequences: list[SequenceInput], backend: DecoderBackend | None = None) -> torch.Tensor:
         """The decoder's last hidden states for the packed tokens: ``[1, T, hidden_size]``, run on
-        ``backend`` (default: the serving one, behind its fallback to eager)."""
+        ``backend`` (default: the serving one, behind its fallback to eager; a decode step that
+        a captured graph holds replays it, while the primary backend serves)."""
+        graphs = self._graphs
+        if backend is None and graphs is not None and graphs.fits(sequences) and self.backend == self._primary.name:
+            return graphs.run(sequences)
         token_ids: list[int] = []
         positions: list[int] = []
         for seq in sequences:

@@ -155,6 +155,9 @@ class PagedKVCache:
         num_host_blocks: blocks of the host pool for swap preemption (:meth:`swap_out`,
             :meth:`swap_in`): the same per-block layout in CPU memory, pinned when ``device`` is
             CUDA (so copies to and from it can run asynchronously); 0: none.
+        has_pad_block: allocate one block more, ``pad_block_id`` (``num_blocks``, outside the
+            block manager's range), where the padding rows of a captured decode step write and
+            read (:mod:`models.cuda_graphs`); ``num_blocks`` stays the blocks sequences get.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` below 1, or ``num_host_blocks`` below 0.
@@ -162,7 +165,7 @@ class PagedKVCache:
 
     def __init__(
         self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
-        num_host_blocks: int = 0,
+        num_host_blocks: int = 0, has_pad_block: bool = False,
     ):
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(
@@ -173,10 +176,12 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        dims = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        num_bytes = num_blocks * block_size * shape.bytes_per_token_in(dtype)
+        self.pad_block_id: int | None = num_blocks if has_pad_block else None
+        self._num_allocated_blocks = num_blocks + int(has_pad_block)
+        dims = (shape.num_layers, 2, self._num_allocated_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        num_bytes = self._num_allocated_blocks * block_size * shape.bytes_per_token_in(dtype)
         log.info(
-            "kv_pool_allocation_started", num_blocks=num_blocks, block_size=block_size, kv_cache_bytes=num_bytes,
+            "kv_pool_allocation_started", num_blocks=num_blocks, has_pad_block=has_pad_block, block_size=block_size, kv_cache_bytes=num_bytes,
             kv_cache_dtype=str(dtype).removeprefix("torch."), device=str(device),
         )
         started = time.perf_counter()
@@ -186,7 +191,7 @@ class PagedKVCache:
         log.info("kv_pool_allocation_finished", kv_cache_bytes=num_bytes, duration_s=round(time.perf_counter() - started, 3))
         self.host = HostKVPool(self.data, self.scales, num_host_blocks)
         # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]: slots in one flat dim.
-        self._slots = self.data.view(shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
+        self._slots = self.data.view(shape.num_layers, 2, self._num_allocated_blocks * block_size, shape.num_kv_heads, shape.head_dim)
         self._scale_slots = None if self.scales is None else self.scales.view(*self._slots.shape[:-1])
         # Each layer's views, made once: a decode step asks for them in every layer.
         self._layer_caches = [(self.data[layer, 0], self.data[layer, 1]) for layer in range(shape.num_layers)]
@@ -198,13 +203,13 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool holds, scales included (allocated once, at construction)."""
+        """Bytes the pool holds, scales and the pad block included (allocated once, at construction)."""
         scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
         return self.data.numel() * self.data.element_size() + scales
 
     @property
     def bytes_per_block(self) -> int:
-        return self.nbytes // self.num_blocks
+        return self.nbytes // self._num_allocated_blocks
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, num_kv_heads, head_dim]`` K of ``layer`` (a view)."""

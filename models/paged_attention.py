@@ -310,7 +310,13 @@ def check_query_and_cache(query: torch.Tensor, key_cache: torch.Tensor, value_ca
 
 
 def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
-    """Context lengths within the table, block ids within the cache (for the blocks in use)."""
+    """Context lengths within the table, block ids within the cache (for the blocks in use).
+
+    Skipped while the current CUDA stream is capturing a graph (:mod:`models.cuda_graphs`):
+    reading the verdict back is a host sync, which a capture forbids; the captured step's
+    inputs come from the runner's own padding (:func:`models.cuda_graphs.pad_decode_inputs`)."""
+    if block_tables.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     capacity = block_tables.shape[1] * block_size
     bad_lens = (context_lens < 1) | (context_lens > capacity)
     if bool(bad_lens.any()):

@@ -7,6 +7,10 @@ with work ready, the slice's :class:`policies.priority.SliceArbiter` picks the o
 urgent request has the best effective priority, and never lets one bucket run more than
 ``max_consecutive_steps`` steps in a row while another waits; a dynamic batcher that is waiting
 out ``max_queue_delay`` sets how long the worker sleeps.
+
+On a ``cuda:N`` device the worker makes that device its thread's current one and runs every step
+on a CUDA stream of its own (:func:`device_stream`), so two slices on one GPU run their steps in
+parallel instead of queueing behind each other on the default stream.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class ThreadSlice:
         self._thread: threading.Thread | None = None
         self._stepping: Batcher | None = None
         self.busy_s = 0.0  # seconds spent in steps since start (worker-written)
+        self.stream: Any = None  # the worker's torch.cuda.Stream on a cuda device, from its start; None on a CPU
         self._recent_steps: collections.deque[tuple[float, float]] = collections.deque()  # (end, seconds)
 
     @property
@@ -86,6 +91,11 @@ class ThreadSlice:
     def attach(self, key: BucketKey, spec: BucketSpec) -> None:
         """Build bucket ``key``'s batcher (``spec.make_batcher``: slow) and step it from now on."""
         batcher = spec.make_batcher()
+        if self.device.startswith("cuda"):  # what the build queued on this thread's stream ends before the worker's reads it
+            import torch
+
+            # That stream only: a device-wide sync could meet another build's graph capture.
+            torch.cuda.current_stream(self.device).synchronize()
         if isinstance(batcher, ContinuousBatcher):  # by key: a detached batcher then holds no cycle through the slice
             batcher.watch_neighbours(functools.partial(self._num_running_beside, key))
         with self._wake:
@@ -158,10 +168,16 @@ class ThreadSlice:
             batcher.shutdown()
 
     def _run(self) -> None:
-        if self.device == "cpu":
-            import torch
+        import torch
 
+        if self.device == "cpu":
             torch.set_num_threads(self.num_threads)
+        self.stream = device_stream(self.device)
+        with torch.cuda.stream(self.stream):  # a no-op for None
+            self._serve()
+
+    def _serve(self) -> None:
+        """Step the ready batchers until :meth:`stop`."""
         while True:
             batcher = self._wait_for_ready()
             if batcher is None:
@@ -212,3 +228,16 @@ class ThreadSlice:
                 pending = [w for w in waits if w is not None]
                 self._wake.wait(min(pending) if pending else IDLE_WAIT_S)
             return None
+
+
+def device_stream(device: str) -> Any:
+    """A new ``torch.cuda.Stream`` on ``device`` (``cuda:N``) for a slice worker's steps, after
+    making ``device`` the calling thread's current one; ``None`` for ``cpu``. Call it on the
+    worker thread. The batchers are built on other threads: :meth:`ThreadSlice.attach`
+    synchronises the building thread's stream after each build, before the worker may step it."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    torch.cuda.set_device(device)
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]

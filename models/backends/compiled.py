@@ -151,7 +151,9 @@ class CompiledStep:
             slot_mapping=step.slot_mapping,
             block_tables=step.block_tables,
             context_lens=step.context_lens,
-            prefill_meta=torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), len(PREFILL_META_FIELDS)),
+            # A decode-only step makes no host-to-device copy: it may be captured in a CUDA graph.
+            prefill_meta=torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), len(PREFILL_META_FIELDS))
+            if rows else torch.empty((0, len(PREFILL_META_FIELDS)), dtype=torch.int64, device=device),
             prefill_block_ids=torch.cat(block_ids) if block_ids else torch.empty(0, dtype=torch.int64, device=device),
         )
         compiled.mark_unbacked()
@@ -202,8 +204,8 @@ def packed_attention_op(
     assert pool is not None, "the KV pool was copied or never registered: the op must write the pool in place"
     prefills = [
         PrefillSegment(start, num_tokens, position, prefill_block_ids[offset : offset + num_blocks] if position > 0 else None)
-        for start, num_tokens, position, offset, num_blocks in prefill_meta.tolist()
-    ]
+        for start, num_tokens, position, offset, num_blocks in (prefill_meta.tolist() if prefill_meta.numel() else [])
+    ]  # no read-back for a decode-only step (a host sync, which a CUDA graph capture forbids)
     step = PackedStep(pool, slot_mapping, block_tables.shape[0], block_tables, context_lens, prefills)
     out, _ = packed_attention(_Layer(layer), query, key, value, None, scaling=scale, sluice_step=step)
     return out

@@ -82,6 +82,7 @@ Built from the folder's safetensors (the float32 weights the eager path loaded, 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -372,8 +373,28 @@ def _lean_int4_q8a(parts: DecoderParts) -> DecoderBackend:
     return build_lean(parts, "lean-int4-q8a", _int4_factory(parts, torch.float32), _q8_prefill_rows(), is_q8_prefill=True)
 
 
+def _on_cpu_only(factory: Callable[[DecoderParts], DecoderBackend]) -> Callable[[DecoderParts], DecoderBackend]:
+    """``factory``, refusing a decoder off the CPU before any work: the lean kinds' products and
+    attention are C++ CPU kernels, so on a GPU a gate measures eager and compiled only.
+
+    Raises (the factory returned):
+        BackendUnavailableError: the decoder's weights are not on the CPU.
+    """
+
+    @functools.wraps(factory)
+    def build(parts: DecoderParts) -> DecoderBackend:
+        device = next(parts.decoder.parameters()).device
+        if device.type != "cpu":
+            raise BackendUnavailableError(f"the lean kinds run on a CPU only (C++ kernels); this decoder is on {device}")
+        return factory(parts)
+
+    return build
+
+
 DECODER_FACTORIES: dict[str, Callable[[DecoderParts], DecoderBackend]] = {
-    "lean": _lean, "lean-int8": _lean_int8, "lean-int4": _lean_int4,
-    "lean-int8-bf16": _lean_int8_bf16, "lean-int4-bf16": _lean_int4_bf16,
-    "lean-int8-q8a": _lean_int8_q8a, "lean-int4-q8a": _lean_int4_q8a,
+    kind: _on_cpu_only(factory) for kind, factory in {
+        "lean": _lean, "lean-int8": _lean_int8, "lean-int4": _lean_int4,
+        "lean-int8-bf16": _lean_int8_bf16, "lean-int4-bf16": _lean_int4_bf16,
+        "lean-int8-q8a": _lean_int8_q8a, "lean-int4-q8a": _lean_int4_q8a,
+    }.items()
 }  # fmt: skip

@@ -75,7 +75,7 @@ class OnnxEncoder:
     ):
         if quantization not in ("none", "int8"):
             raise BackendUnavailableError(f"onnx backend: quantization {quantization!r} is not 'none' or 'int8'")
-        _require_onnx_runtime()
+        _require_onnx_runtime(device)
         self.name = "onnx-fp32" if quantization == "none" else "onnx-int8"
         self.device = torch.device(device)
         self.has_token_types = _takes_token_types(model)
@@ -129,12 +129,21 @@ class _LastHiddenState(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
 
 
-def _require_onnx_runtime() -> None:
+def _require_onnx_runtime(device: str = "cpu") -> None:
+    """onnx and onnxruntime import, and for a ``cuda`` device onnxruntime has its CUDA provider
+    (else the session would run on the CPU beside a GPU slice: refused, so a gate there measures
+    eager and compiled only).
+
+    Raises:
+        BackendUnavailableError: saying which is missing.
+    """
     try:
         import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
+        import onnxruntime
     except (ImportError, OSError) as error:
         raise BackendUnavailableError(f"onnx backend: {error} (pip install onnx onnxruntime onnxscript)") from error
+    if device.startswith("cuda") and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise BackendUnavailableError(f"onnx backend: onnxruntime has no CUDAExecutionProvider for {device} (pip install onnxruntime-gpu)")
 
 
 def _takes_token_types(model: Any) -> bool:
