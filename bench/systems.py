@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -77,13 +78,20 @@ class SystemResult:
 class Engines:
     """What the systems run on: the model as Sluice loads it, and a stock Hugging Face copy.
 
-    The stock copy (SDPA attention, float32, left-padding tokenizer) is loaded from
-    ``loaded.folder`` on first use, so a run without baselines never loads it. ``progress``
-    receives a line now and then during long runs.
+    The stock copy (SDPA attention, ``dtype`` weights on the loaded model's device, left-padding
+    tokenizer) is loaded from ``loaded.folder`` on first use, so a run without baselines never
+    loads it. ``progress`` receives a line now and then during long runs. ``max_num_seqs`` bounds
+    the sequences of one step of ``sluice`` and ``hf_continuous``; ``sequential_prompts`` (``None``:
+    all) is how many of the prompts ``sequential`` times; ``runner_options`` are extra keyword
+    arguments of Sluice's :class:`~models.causal_lm.CausalLMRunner` (:func:`runner_options`).
     """
 
     loaded: LoadedModel
     progress: Callable[[str], None] = lambda message: None
+    dtype: str = "float32"
+    max_num_seqs: int = SLUICE_MAX_NUM_SEQS
+    sequential_prompts: int | None = None
+    runner_options: dict[str, Any] = field(default_factory=dict)
     _baseline: tuple[Any, Any] | None = field(default=None, repr=False)
 
     def baseline(self) -> tuple[Any, Any]:
@@ -93,7 +101,9 @@ class Engines:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             folder = self.loaded.folder
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+            dtype = getattr(torch, self.dtype)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+            model.to(self.loaded.device)
             tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
@@ -101,9 +111,19 @@ class Engines:
         return self._baseline
 
 
+def runner_options(device: str) -> dict[str, Any]:
+    """Sluice's runner options for ``device``: CUDA graphs for decode on a GPU, where the runner
+    has them (a ``cuda_graphs`` argument); none on a CPU."""
+    from models.causal_lm import CausalLMRunner
+
+    if device.startswith("cuda") and "cuda_graphs" in inspect.signature(CausalLMRunner).parameters:
+        return {"cuda_graphs": True}
+    return {}
+
+
 def run_sequential(engines: Engines, prompts: list[list[int]], max_new_tokens: int) -> SystemResult:
-    """Stock ``generate`` on one request at a time."""
-    return run_static(engines, prompts, max_new_tokens, batch_size=1)
+    """Stock ``generate`` on one request at a time, on the first ``engines.sequential_prompts``."""
+    return run_static(engines, prompts[: engines.sequential_prompts], max_new_tokens, batch_size=1)
 
 
 def run_static(engines: Engines, prompts: list[list[int]], max_new_tokens: int, *, batch_size: int) -> SystemResult:
@@ -126,7 +146,7 @@ def _hf_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_t
     """
     import torch
 
-    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
     with torch.inference_mode():
         sequences = model.generate(
             input_ids=batch["input_ids"],
@@ -158,7 +178,7 @@ def run_hf_continuous(engines: Engines, prompts: list[list[int]], max_new_tokens
     starts, as Sluice's pool is, and destroyed after the run.
     """
     model, _ = engines.baseline()
-    config = _hf_continuous_config(prompts, max_new_tokens)
+    config = _hf_continuous_config(prompts, max_new_tokens, engines.max_num_seqs)
     try:
         _hf_generate_batch(model, config, [p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
         clock = _Stopwatch()
@@ -168,9 +188,9 @@ def run_hf_continuous(engines: Engines, prompts: list[list[int]], max_new_tokens
         model.destroy_cached_continuous_batching_manager()
 
 
-def _hf_continuous_config(prompts: list[list[int]], max_new_tokens: int) -> Any:
+def _hf_continuous_config(prompts: list[list[int]], max_new_tokens: int, max_num_seqs: int) -> Any:
     """Sluice's budgets in transformers' terms: a pool roomy enough that nothing is evicted, at
-    most ``SLUICE_MAX_NUM_SEQS`` requests and ``SLUICE_MAX_NUM_BATCHED_TOKENS`` tokens a step.
+    most ``max_num_seqs`` requests and ``SLUICE_MAX_NUM_BATCHED_TOKENS`` tokens a step.
 
     Everything the manager would otherwise infer is set here: from free memory (the pool; on CPU
     60% of RAM), or from the first call's requests (the persistent manager's request limit).
@@ -182,7 +202,7 @@ def _hf_continuous_config(prompts: list[list[int]], max_new_tokens: int) -> Any:
         page_size=page_size,
         num_blocks=roomy_num_blocks(prompts, max_new_tokens, page_size),
         max_batch_tokens=SLUICE_MAX_NUM_BATCHED_TOKENS,
-        max_requests_per_batch=SLUICE_MAX_NUM_SEQS,
+        max_requests_per_batch=max_num_seqs,
         max_blocks_per_request=0,  # the decode fast path needs flash attention on CUDA
         safety_margin=0.0,  # admit while blocks last, as Sluice does
         auto_switch_to_flash=False,
@@ -219,16 +239,18 @@ def run_sluice(engines: Engines, prompts: list[list[int]], max_new_tokens: int) 
     """Sluice's continuous batcher: submit every request at once, step until all have finished."""
     from models.causal_lm import CausalLMRunner
 
-    runner = CausalLMRunner(engines.loaded.model, roomy_num_blocks(prompts, max_new_tokens), SLUICE_BLOCK_SIZE)
-    _sluice_generate(runner, engines.loaded, [p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
+    num_blocks = roomy_num_blocks(prompts, max_new_tokens)
+    runner = CausalLMRunner(engines.loaded.model, num_blocks, SLUICE_BLOCK_SIZE, **engines.runner_options)
+    generate = functools.partial(_sluice_generate, runner, engines.loaded, max_num_seqs=engines.max_num_seqs)
+    generate([p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
     trace = StepTrace.around(runner)
     clock = _Stopwatch()
-    outputs = _sluice_generate(runner, engines.loaded, prompts, max_new_tokens, trace)
+    outputs = generate(prompts, max_new_tokens, trace)
     result = clock.result(outputs, trace)
     # Untimed probe for the forward share at exactly FORWARD_SHARE_NUM_SEQS running sequences:
     # the timed run's running count jumps past it as prompts join and leave together.
     share_trace = StepTrace.around(runner)
-    _sluice_generate(runner, engines.loaded, prompts[:FORWARD_SHARE_NUM_SEQS], max_new_tokens, share_trace)
+    generate(prompts[:FORWARD_SHARE_NUM_SEQS], max_new_tokens, share_trace)
     return dataclasses.replace(result, share_trace=share_trace)
 
 
@@ -279,9 +301,11 @@ class _Collector:
 
 
 def _sluice_generate(
-    runner: Any, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, trace: StepTrace | None = None
+    runner: Any, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, trace: StepTrace | None = None,
+    *, max_num_seqs: int = SLUICE_MAX_NUM_SEQS,
 ) -> list[list[int]]:
-    """Run ``prompts`` through a fresh continuous batcher on ``runner``; return the new token ids.
+    """Run ``prompts`` through a fresh continuous batcher on ``runner`` (at most ``max_num_seqs``
+    sequences a step); return the new token ids.
 
     With a ``trace`` (made around ``runner``), the batcher runs on ``trace.runner`` and every step
     is recorded in it.
@@ -294,7 +318,7 @@ def _sluice_generate(
     from buckets.settings import ContinuousBatcherSettings
     from models.step_io import SamplingParams
 
-    settings = ContinuousBatcherSettings(SLUICE_MAX_NUM_SEQS, SLUICE_MAX_NUM_BATCHED_TOKENS, SLUICE_BLOCK_SIZE)
+    settings = ContinuousBatcherSettings(max_num_seqs, SLUICE_MAX_NUM_BATCHED_TOKENS, SLUICE_BLOCK_SIZE)
     stepped_runner = runner if trace is None else trace.runner
     batcher = ContinuousBatcher(stepped_runner, settings, loaded.tokenizer, loaded.eos_token_ids)
     step = batcher.step if trace is None else functools.partial(trace.step, batcher)

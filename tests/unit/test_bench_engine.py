@@ -200,7 +200,7 @@ def test_build_report_and_summary_carry_the_new_fields() -> None:
         "hf_continuous": _result([[1], [2]], wall_s=0.5),
         "sluice": _result([[1], [1]], wall_s=0.25, trace=trace),
     }
-    args = argparse.Namespace(max_new_tokens=1, threads=1)
+    args = argparse.Namespace(max_new_tokens=1, threads=1, device="cpu", dtype="float32")
     report = engine.build_report(results, workload, args, frozenset({2}), kv_bytes_per_token=4)
     assert report["tokens_per_s"]["hf_continuous"] == 4.0
     assert report["best_hf"]["system"] == "hf_continuous" and report["ratios"]["sluice_vs_best_hf"] == 2.0
@@ -222,7 +222,7 @@ def test_build_report_and_summary_carry_the_new_fields() -> None:
 def test_summary_says_when_no_step_hit_exactly_32() -> None:
     workload = Workload(prompts=[[0] * 4], seed=0)
     trace = _trace([_sample(1.0, 0.5, 40, held=64, tokens=16)])
-    args = argparse.Namespace(max_new_tokens=1, threads=1)
+    args = argparse.Namespace(max_new_tokens=1, threads=1, device="cpu", dtype="float32")
     results = {"sluice": _result([[1]], trace=trace)}
     report = engine.build_report(results, workload, args, frozenset(), kv_bytes_per_token=4)
     summary = "\n".join(engine.format_summary(report))
@@ -237,3 +237,37 @@ def test_hf_continuous_is_skipped_with_a_note_without_generate_batch(
     assert list(skipped) == ["hf_continuous"] and "has no generate_batch" in skipped["hf_continuous"]
     assert "hf_continuous: skipped" in capsys.readouterr().err
     assert engine._unavailable_systems(["sequential", "sluice"]) == {}
+
+
+def test_a_device_torch_does_not_see_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "_has_cuda_device", lambda device: False)
+    assert engine.main(["--output", str(tmp_path / "x.json"), "--device", "cuda:0"]) == 2
+    assert not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):
+        engine.main(["--output", "x.json", "--device", "gpu0"])
+
+
+def test_max_num_seqs_above_the_step_budget_is_refused(tmp_path: Path) -> None:
+    assert engine.main(["--output", str(tmp_path / "x.json"), "--max-num-seqs", "4096"]) == 2
+
+
+def test_sequential_times_only_its_share_of_the_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import systems
+
+    seen: list[list[list[int]]] = []
+    monkeypatch.setattr(systems, "run_static", lambda engines, prompts, max_new_tokens, batch_size: seen.append(prompts))
+    prompts = [[1], [2], [3]]
+    systems.run_sequential(systems.Engines(loaded=None, sequential_prompts=2), prompts, 4)  # type: ignore[arg-type]
+    systems.run_sequential(systems.Engines(loaded=None), prompts, 4)  # type: ignore[arg-type]
+    assert seen == [[[1], [2]], prompts]
+
+
+def test_runner_options_ask_for_cuda_graphs_only_on_a_gpu_runner_that_has_them() -> None:
+    import inspect
+
+    from bench.systems import runner_options
+    from models.causal_lm import CausalLMRunner
+
+    assert runner_options("cpu") == {}
+    has_graphs = "cuda_graphs" in inspect.signature(CausalLMRunner).parameters
+    assert runner_options("cuda:0") == ({"cuda_graphs": True} if has_graphs else {})
