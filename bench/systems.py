@@ -241,7 +241,7 @@ def run_sluice(engines: Engines, prompts: list[list[int]], max_new_tokens: int) 
 
     num_blocks = roomy_num_blocks(prompts, max_new_tokens)
     runner = CausalLMRunner(engines.loaded.model, num_blocks, SLUICE_BLOCK_SIZE, **engines.runner_options)
-    generate = functools.partial(_sluice_generate, runner, engines.loaded, max_num_seqs=engines.max_num_seqs)
+    generate = functools.partial(sluice_generate, runner, engines.loaded, max_num_seqs=engines.max_num_seqs)
     generate([p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
     trace = StepTrace.around(runner)
     clock = _Stopwatch()
@@ -300,7 +300,7 @@ class _Collector:
         self.num_finished += event.finish_reason is not None
 
 
-def _sluice_generate(
+def sluice_generate(
     runner: Any, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, trace: StepTrace | None = None,
     *, max_num_seqs: int = SLUICE_MAX_NUM_SEQS,
 ) -> list[list[int]]:
