@@ -35,11 +35,11 @@ def machine_info(threads: int, device: str = "cpu", dtype: str = "float32") -> d
     if device.startswith("cuda"):
         info["gpu_name"] = torch.cuda.get_device_name(torch.device(device))
         info["cuda"] = torch.version.cuda
-        info["triton"] = _version_of("triton")
+        info["triton"] = version_of("triton")
     return info
 
 
-def _version_of(package: str) -> str | None:
+def version_of(package: str) -> str | None:
     """The installed version of ``package``, or ``None`` when it is not installed."""
     from importlib import metadata
 
