@@ -74,13 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"sequences a step of sluice and hf_continuous runs at most (default {SLUICE_MAX_NUM_SEQS})",
     )
     parser.add_argument(
+        "--keep-going", action="store_true",
+        help="a system that fails is noted in the report's `failed` and the others run (exit 1)",
+    )
+    parser.add_argument(
         "--sequential-prompts", type=_positive_int,
         help="time sequential on the first N prompts only (its tokens/s does not depend on how many; default all)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by parsed ``args``; return 0, or 2 on invalid options."""
+    """Run the benchmark described by parsed ``args``; return 0, 2 on invalid options, or 1 when
+    a system failed under ``--keep-going`` (the report is written all the same)."""
     problem = _check_args(args)
     if problem is not None:
         print(f"sluice bench engine: error: {problem}", file=sys.stderr)
@@ -92,16 +97,18 @@ def run(args: argparse.Namespace) -> int:
         loaded, progress=_progress, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         sequential_prompts=args.sequential_prompts, runner_options=runner_options(args.device),
     )
-    results = _run_systems(engines, workload, systems, args.max_new_tokens)
+    failed: dict[str, str] | None = {} if args.keep_going else None
+    results = _run_systems(engines, workload, systems, args.max_new_tokens, failed)
     bytes_per_token = loaded.kv_shape().bytes_per_token(loaded.dtype_bytes)
     report = build_report(results, workload, args, loaded.eos_token_ids, bytes_per_token, skipped)
     report["sluice_runner_options"] = engines.runner_options
+    report["failed"] = failed or {}
     print(format_table(results))
     print_summary(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     _progress(f"wrote {args.output}")
-    return 0
+    return 1 if failed else 0
 
 
 def _load(args: argparse.Namespace) -> tuple[LoadedModel, Workload]:
@@ -160,13 +167,24 @@ def _unavailable_systems(systems: list[str]) -> dict[str, str]:
 
 
 def _run_systems(
-    engines: Engines, workload: Workload, systems: list[str], max_new_tokens: int
+    engines: Engines, workload: Workload, systems: list[str], max_new_tokens: int, failed: dict[str, str] | None = None
 ) -> dict[str, SystemResult]:
-    """Time each named system on the workload, in order, reporting each to stderr as it ends."""
+    """Time each named system on the workload, in order, reporting each to stderr as it ends.
+
+    With a ``failed`` dict, a system that raises is noted there (its name: the error) and the
+    next one runs; without, its error propagates.
+    """
     results: dict[str, SystemResult] = {}
     for name in systems:
         _progress(f"{name}: running")
-        results[name] = SYSTEMS[name](engines, workload.prompts, max_new_tokens)
+        try:
+            results[name] = SYSTEMS[name](engines, workload.prompts, max_new_tokens)
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            _progress(f"{name}: failed ({failed[name]})")
+            continue
         result = results[name]
         _progress(
             f"{name}: {result.num_requests} requests, {result.num_generated_tokens} tokens"

@@ -32,6 +32,7 @@ OUT=${OUT:-$ROOT/bench-results/gpu-check}
 mkdir -p "$OUT"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
 LOG=$OUT/stages.log
+rm -f "$OUT"/{summary.json,pytest.log,serve.log,nvidia-smi.txt}
 : >"$LOG"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
@@ -78,7 +79,7 @@ stage() { # stage NAME CAP_S LOGFILE COMMAND...: run COMMAND under min(CAP_S, bu
 
 if ((DRY_RUN)); then
     record install skipped null 0 0 "dry run: the venv has the packages"
-    export PYTHONPATH=$ROOT
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 else
     stage install 90 "$LOG" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target /tmp/site $(ls .whl/*.whl 2>/dev/null)
@@ -105,7 +106,7 @@ for n in "${ENGINE_LEVELS[@]}"; do
     systems=sequential,static_32,hf_continuous,sluice
     ((n == 1)) && systems=sequential,sluice
     stage "engine-$n" $((60 + n / 2)) "$LOG" "$PYTHON" -m gateway bench engine --source "$MODEL_DIR" \
-        --device "$DEVICE" --dtype "$DTYPE" --threads "$THREADS" --num-prompts "$n" --systems "$systems" \
+        --device "$DEVICE" --dtype "$DTYPE" --threads "$THREADS" --num-prompts "$n" --systems "$systems" --keep-going \
         --max-new-tokens "$NEW_TOKENS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" --max-num-seqs 256 \
         --sequential-prompts $((n < SEQUENTIAL_PROMPTS ? n : SEQUENTIAL_PROMPTS)) --output "$WORK/engine-$n.json"
 done

@@ -64,6 +64,7 @@ def engine_figures(report: dict[str, Any] | None) -> dict[str, Any] | None:
         "sluice_matches_sequential": report.get("sluice_matches_sequential"),
         "compared": report.get("compared"),
         "skipped": report.get("skipped", {}),
+        "failed": report.get("failed", {}),
         "sluice_runner_options": report.get("sluice_runner_options"),
         "workload": report.get("workload"),
     }

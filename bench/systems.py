@@ -194,19 +194,25 @@ def _hf_continuous_config(prompts: list[list[int]], max_new_tokens: int, max_num
 
     Everything the manager would otherwise infer is set here: from free memory (the pool; on CPU
     60% of RAM), or from the first call's requests (the persistent manager's request limit).
+    Transformers before 5.2x names the page ``block_size`` and has no ``auto_switch_to_flash``
+    (5.17, on the lent GPU machine): the fields are named as the installed version has them.
     """
     from transformers import ContinuousBatchingConfig
 
-    page_size = ContinuousBatchingConfig.page_size
-    return ContinuousBatchingConfig(
-        page_size=page_size,
-        num_blocks=roomy_num_blocks(prompts, max_new_tokens, page_size),
-        max_batch_tokens=SLUICE_MAX_NUM_BATCHED_TOKENS,
-        max_requests_per_batch=max_num_seqs,
-        max_blocks_per_request=0,  # the decode fast path needs flash attention on CUDA
-        safety_margin=0.0,  # admit while blocks last, as Sluice does
-        auto_switch_to_flash=False,
-    )
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page_field = "page_size" if "page_size" in fields else "block_size"
+    page_size = getattr(ContinuousBatchingConfig, page_field)
+    options: dict[str, Any] = {
+        page_field: page_size,
+        "num_blocks": roomy_num_blocks(prompts, max_new_tokens, page_size),
+        "max_batch_tokens": SLUICE_MAX_NUM_BATCHED_TOKENS,
+        "max_requests_per_batch": max_num_seqs,
+        "max_blocks_per_request": 0,  # the decode fast path needs flash attention on CUDA
+        "safety_margin": 0.0,  # admit while blocks last, as Sluice does
+    }
+    if "auto_switch_to_flash" in fields:
+        options["auto_switch_to_flash"] = False
+    return ContinuousBatchingConfig(**options)
 
 
 def _hf_generate_batch(model: Any, config: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -271,3 +271,38 @@ def test_runner_options_ask_for_cuda_graphs_only_on_a_gpu_runner_that_has_them()
     assert runner_options("cpu") == {}
     has_graphs = "cuda_graphs" in inspect.signature(CausalLMRunner).parameters
     assert runner_options("cuda:0") == ({"cuda_graphs": True} if has_graphs else {})
+
+
+def test_keep_going_notes_a_failed_system_and_runs_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(engines: object, prompts: list[list[int]], max_new_tokens: int) -> SystemResult:
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setitem(engine.SYSTEMS, "sequential", boom)
+    monkeypatch.setitem(engine.SYSTEMS, "sluice", lambda engines, prompts, max_new_tokens: _result([[1]]))
+    workload = Workload(prompts=[[0] * 4], seed=0)
+    failed: dict[str, str] = {}
+    results = engine._run_systems(None, workload, ["sequential", "sluice"], 1, failed)  # type: ignore[arg-type]
+    assert list(results) == ["sluice"] and failed == {"sequential": "RuntimeError: no such kernel"}
+    with pytest.raises(RuntimeError):
+        engine._run_systems(None, workload, ["sequential"], 1)  # type: ignore[arg-type]
+
+
+def test_hf_continuous_config_names_the_fields_as_an_older_transformers_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import transformers
+
+    from bench import systems
+
+    @dataclasses.dataclass
+    class ConfigOf517:  # transformers 5.17: `block_size`, no `auto_switch_to_flash`
+        block_size: int = 256
+        num_blocks: int | None = None
+        max_batch_tokens: int | None = None
+        max_requests_per_batch: int | None = None
+        max_blocks_per_request: int | None = None
+        safety_margin: float | None = None
+
+    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", ConfigOf517)
+    config = systems._hf_continuous_config([[0] * 300], 20, max_num_seqs=8)
+    assert config.block_size == 256 and config.num_blocks == 2 and config.max_requests_per_batch == 8
