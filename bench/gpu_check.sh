@@ -7,18 +7,20 @@
 # prepare` (.gpu-model/); the call carries both: run(command="bench/gpu_check.sh",
 # carry=[".whl", ".gpu-model"], timeout_s=540).
 #
-# Stages, each with its own timeout under one budget (GPU_CHECK_BUDGET_S, default 450 s); a failing
-# or timed-out stage is recorded in summary.json's `stages` and the check goes on:
-#   install   the carried wheels into /tmp/site (PYTHONPATH=/tmp/site:$PWD)
-#   info      nvidia-smi, Python/torch/CUDA/Triton/transformers versions, the GPU's name
-#   model     SmolLM2-135M's architecture with seeded random weights (bench/gpu_model.py)
-#   cpu-kernel  the C++ decode kernel every runner loads, built once here
-#   pytest    pytest -m gpu on the test files that hold gpu-marked tests
-#   engine-N  sluice bench engine on the device at N = 1, 16, 64, 256 sequences: sequential HF
-#             generate (on at most 8 prompts), static batches of 32, HF generate_batch, Sluice
-#   decode    the batch-1 decode step with CUDA graphs off and on (bench/gpu_decode.py)
-#   serve     sluice serve --config configs/gpu.yaml on a loopback port, in the background
-#   load-C    sluice bench load at concurrency C = 1, 16, 64, 256 (2*C requests, at least 8)
+# Stages, each with its own timeout (seconds, below) cut to what is left of one budget
+# (GPU_CHECK_BUDGET_S, default 450 s; a stage with under 5 s left is skipped); a failing or
+# timed-out stage is recorded in summary.json's `stages` and the check goes on:
+#   install 60     the carried wheels into /tmp/site (PYTHONPATH=/tmp/site:$PWD)
+#   nvidia-smi 20, info 45   nvidia-smi; Python/torch/CUDA/Triton/transformers versions, GPU name
+#   model 60       SmolLM2-135M's architecture with seeded random weights (bench/gpu_model.py)
+#   cpu-kernel 120 the C++ decode kernel every runner loads, built once here
+#   pytest 100     pytest -m gpu on the test files that hold gpu-marked tests
+#   engine-N 45+N/3  sluice bench engine on the device at N = 1, 16, 64, 256 sequences:
+#                  sequential HF generate (timed on 4 prompts), static batches of 32, HF
+#                  generate_batch, Sluice (--keep-going: a failing system is noted, the rest run)
+#   decode 60      the batch-1 decode step with CUDA graphs off and on (bench/gpu_decode.py)
+#   serve 120      sluice serve --config configs/gpu.yaml on a loopback port, in the background
+#   load-C 30+C/4  sluice bench load at concurrency C = 1, 16, 64, 256 (2*C requests, at least 8)
 #
 # Dry run on a CPU (same stages, tiny settings, no wheels installed: the venv has them):
 #   bench/gpu_check.sh --dry-run     (or SLUICE_GPU_CHECK_DEVICE=cpu bench/gpu_check.sh)
@@ -45,7 +47,7 @@ if [[ $DEVICE == cpu ]]; then
 else
     DRY_RUN=0 PYTHON=${PYTHON:-python3}
     DTYPE=bfloat16 MODEL_DIR=/tmp/sluice-gpu-model LAYERS=() THREADS=$(nproc)
-    ENGINE_LEVELS=(1 16 64 256) NEW_TOKENS=64 MAX_PROMPT_TOKENS=512 SEQUENTIAL_PROMPTS=8 DECODE_TOKENS=128
+    ENGINE_LEVELS=(1 16 64 256) NEW_TOKENS=64 MAX_PROMPT_TOKENS=512 SEQUENTIAL_PROMPTS=4 DECODE_TOKENS=128
     LOAD_LEVELS=(1 16 64 256) LOAD_INPUT_WORDS=128 LOAD_OUTPUT_TOKENS=64 BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
 fi
 DEADLINE=$((SECONDS + BUDGET_S))
@@ -81,7 +83,7 @@ if ((DRY_RUN)); then
     record install skipped null 0 0 "dry run: the venv has the packages"
     export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 else
-    stage install 90 "$LOG" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    stage install 60 "$LOG" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target /tmp/site $(ls .whl/*.whl 2>/dev/null)
     export PYTHONPATH=/tmp/site:$ROOT
 fi
@@ -91,27 +93,27 @@ if command -v nvidia-smi >/dev/null; then
 else
     record nvidia-smi skipped null 0 0 "no nvidia-smi on this machine"
 fi
-stage info 60 "$LOG" "$PYTHON" -m bench.gpu_check versions --device "$DEVICE" --output "$WORK/versions.json"
-stage model 90 "$LOG" "$PYTHON" -m bench.gpu_model materialise --output "$MODEL_DIR" "${LAYERS[@]}"
+stage info 45 "$LOG" "$PYTHON" -m bench.gpu_check versions --device "$DEVICE" --output "$WORK/versions.json"
+stage model 60 "$LOG" "$PYTHON" -m bench.gpu_model materialise --output "$MODEL_DIR" "${LAYERS[@]}"
 # Every runner loads the C++ decode kernel (built once per machine, about a minute on two cores):
 # build it here, once, rather than inside the first timed stage.
-stage cpu-kernel 150 "$LOG" "$PYTHON" -c \
+stage cpu-kernel 120 "$LOG" "$PYTHON" -c \
     'from models.paged_attention import compiled_kernel_available as built; print("C++ decode kernel:", built())'
 
 mapfile -t GPU_TESTS < <(grep -rlE --include='*.py' 'mark\.gpu' tests | sort)
-stage pytest 120 "$OUT/pytest.log" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
+stage pytest 100 "$OUT/pytest.log" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$WORK/pytest.xml" "${GPU_TESTS[@]}"
 
 for n in "${ENGINE_LEVELS[@]}"; do
     systems=sequential,static_32,hf_continuous,sluice
     ((n == 1)) && systems=sequential,sluice
-    stage "engine-$n" $((60 + n / 2)) "$LOG" "$PYTHON" -m gateway bench engine --source "$MODEL_DIR" \
+    stage "engine-$n" $((45 + n / 3)) "$LOG" "$PYTHON" -m gateway bench engine --source "$MODEL_DIR" \
         --device "$DEVICE" --dtype "$DTYPE" --threads "$THREADS" --num-prompts "$n" --systems "$systems" --keep-going \
         --max-new-tokens "$NEW_TOKENS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" --max-num-seqs 256 \
         --sequential-prompts $((n < SEQUENTIAL_PROMPTS ? n : SEQUENTIAL_PROMPTS)) --output "$WORK/engine-$n.json"
 done
 
-stage decode 90 "$LOG" "$PYTHON" -m bench.gpu_decode --source "$MODEL_DIR" --device "$DEVICE" --dtype "$DTYPE" \
+stage decode 60 "$LOG" "$PYTHON" -m bench.gpu_decode --source "$MODEL_DIR" --device "$DEVICE" --dtype "$DTYPE" \
     --new-tokens "$DECODE_TOKENS" --output "$WORK/decode.json"
 
 CONFIG=configs/gpu.yaml
@@ -128,7 +130,7 @@ if stage serve 120 "$LOG" "$PYTHON" -m bench.gpu_check wait --url "http://127.0.
     --pid "$SERVER_PID" --timeout-s 120; then
     for c in "${LOAD_LEVELS[@]}"; do
         requests=$((2 * c > 8 ? 2 * c : 8))
-        stage "load-$c" $((40 + c / 4)) "$LOG" "$PYTHON" -m gateway bench load --base-url "http://127.0.0.1:$PORT" \
+        stage "load-$c" $((30 + c / 4)) "$LOG" "$PYTHON" -m gateway bench load --base-url "http://127.0.0.1:$PORT" \
             --model "$MODEL_NAME" --concurrency "$c" --num-requests "$requests" --input-len "$LOAD_INPUT_WORDS" \
             --output-len "$LOAD_OUTPUT_TOKENS" --timeout 60 --no-progress --output "$WORK/load-$c"
     done
