@@ -68,7 +68,7 @@ def cpu_config(config: dict[str, Any], source: str) -> dict[str, Any]:
     """``config`` (a parsed gateway config) moved to a CPU: every slice on ``cpu`` with a small KV
     budget and no memory budget, every model float32 from ``source`` with its KV in its own dtype,
     and the continuous buckets at :data:`CPU_MAX_NUM_SEQS` sequences."""
-    moved = json.loads(json.dumps(config))
+    moved: dict[str, Any] = json.loads(json.dumps(config))
     for slice_config in moved["slices"]:
         slice_config.update(device="cpu", kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
         slice_config.pop("memory_budget_bytes", None)

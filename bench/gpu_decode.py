@@ -53,7 +53,7 @@ def decode_steps(loaded: LoadedModel, prompt_tokens: int, new_tokens: int, cuda_
     from models.causal_lm import CausalLMRunner
 
     prompt = list(range(PROMPT_FIRST_TOKEN_ID, PROMPT_FIRST_TOKEN_ID + prompt_tokens))
-    options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    options: dict[str, Any] = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
     runner = CausalLMRunner(loaded.model, roomy_num_blocks([prompt], new_tokens), 16, **options)
     sluice_generate(runner, loaded, [prompt], WARM_UP_NEW_TOKENS, max_num_seqs=1)
     trace = StepTrace.around(runner)
@@ -73,14 +73,13 @@ def _kernel_profile(runner: Any, loaded: LoadedModel, prompt: list[int], median_
     """Kernel launches per decode step and the GPU's kernel time over ``median_step_ms``, from
     torch's profiler over a request of :data:`PROFILED_NEW_TOKENS` tokens (its prefill included,
     spread over its decode steps: an upper bound)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import DeviceType, ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sluice_generate(runner, loaded, [prompt], PROFILED_NEW_TOKENS, max_num_seqs=1)
     events = prof.events()
     launches = sum(1 for e in events if e.name in LAUNCH_EVENT_NAMES)
-    kernel_us = sum(e.device_time for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernel_us = sum(e.device_time for e in events if e.device_type == DeviceType.CUDA)
     num_steps = PROFILED_NEW_TOKENS - 1
     kernel_ms_per_step = kernel_us / 1e3 / num_steps
     return {

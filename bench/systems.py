@@ -102,7 +102,7 @@ class Engines:
 
             folder = self.loaded.folder
             dtype = getattr(torch, self.dtype)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+            model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
             model.to(self.loaded.device)
             tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
             if tokenizer.pad_token_id is None:
