@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     loaded, workload = _load(args)
     engines = Engines(
         loaded, progress=_progress, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        sequential_prompts=args.sequential_prompts, runner_options=runner_options(args.device),
+        sequential_prompts=args.sequential_prompts, runner_options=runner_options(args.device, args.max_num_seqs),
     )
     failed: dict[str, str] | None = {} if args.keep_going else None
     results = _run_systems(engines, workload, systems, args.max_new_tokens, failed)

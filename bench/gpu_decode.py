@@ -2,13 +2,15 @@
 
 One request (a ``--prompt-tokens`` prompt, ``--new-tokens`` greedy tokens, end-of-sequence
 ignored) runs through Sluice's continuous batcher on a fresh :class:`~models.causal_lm.CausalLMRunner`
-with ``cuda_graphs=False``, then with ``cuda_graphs=True``, after an untimed warm-up on each
-(which captures the graphs). Each decode step (every step after the prefill) is timed whole
+without CUDA graphs, then with a graph of batch size 1 (``cuda_graph_sizes=[1]``, captured by the
+runner's ``warm_up``, as a served bucket's), after an untimed request on each. Each decode step
+(every step after the prefill) is timed whole
 (schedule, forward, sampling, postprocess: :class:`bench.step_trace.StepTrace`); the report gives
 the median step and forward milliseconds, and on a GPU a profile of a few more decode steps:
 kernel launches per step and the share of the step the GPU spends in kernels (the rest is
-launching and host work, which graphs take away). Where the runner has no ``cuda_graphs``
-argument, or the device is a CPU, the graphs-on entry says so instead of a figure.
+launching and host work, which graphs take away). On a CPU the graphs-on entry says they are not
+available instead of a figure; ``captured_sizes`` shows whether the capture succeeded (a failed
+capture leaves the runner eager: ``[]``).
 
 Run it as ``python -m bench.gpu_decode --source FOLDER --device cuda:0 --output decode.json``.
 """
@@ -16,7 +18,6 @@ Run it as ``python -m bench.gpu_decode --source FOLDER --device cuda:0 --output 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -35,26 +36,20 @@ WARM_UP_NEW_TOKENS = 4
 LAUNCH_EVENT_NAMES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"})
 
 
-def has_cuda_graphs() -> bool:
-    """Whether :class:`~models.causal_lm.CausalLMRunner` takes a ``cuda_graphs`` argument."""
-    from models.causal_lm import CausalLMRunner
+def decode_steps(loaded: LoadedModel, prompt_tokens: int, new_tokens: int, cuda_graphs: bool) -> dict[str, Any]:
+    """Time the decode steps of one request on a fresh runner, with a batch-1 CUDA graph or without.
 
-    return "cuda_graphs" in inspect.signature(CausalLMRunner).parameters
-
-
-def decode_steps(loaded: LoadedModel, prompt_tokens: int, new_tokens: int, cuda_graphs: bool | None) -> dict[str, Any]:
-    """Time the decode steps of one request on a fresh runner (``cuda_graphs=None``: the runner's
-    default, for a runner without the argument).
-
-    Returns ``median_step_ms``, ``median_forward_ms``, ``num_decode_steps``, and on a GPU
-    ``launches_per_step`` and ``kernel_share`` (GPU kernel time over the median step time, 0..1;
-    ``None`` where the profiler gave no kernel times).
+    Returns ``median_step_ms``, ``median_forward_ms``, ``num_decode_steps``, with graphs
+    ``captured_sizes``, and on a GPU ``launches_per_step`` and ``kernel_share`` (GPU kernel time
+    over the median step time, 0..1; ``None`` where the profiler gave no kernel times).
     """
     from models.causal_lm import CausalLMRunner
 
     prompt = list(range(PROMPT_FIRST_TOKEN_ID, PROMPT_FIRST_TOKEN_ID + prompt_tokens))
-    options: dict[str, Any] = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
-    runner = CausalLMRunner(loaded.model, roomy_num_blocks([prompt], new_tokens), 16, **options)
+    sizes = [1] if cuda_graphs else []
+    runner = CausalLMRunner(loaded.model, roomy_num_blocks([prompt], new_tokens), 16, cuda_graph_sizes=sizes)
+    if cuda_graphs:
+        runner.warm_up([(1, 1)])
     sluice_generate(runner, loaded, [prompt], WARM_UP_NEW_TOKENS, max_num_seqs=1)
     trace = StepTrace.around(runner)
     sluice_generate(runner, loaded, [prompt], new_tokens, trace, max_num_seqs=1)
@@ -64,6 +59,8 @@ def decode_steps(loaded: LoadedModel, prompt_tokens: int, new_tokens: int, cuda_
         "median_forward_ms": statistics.median(s.forward_s for s in decode) * 1e3,
         "num_decode_steps": len(decode),
     }
+    if cuda_graphs:
+        report["captured_sizes"] = list(runner.cuda_graph_sizes)
     if loaded.device.startswith("cuda"):
         report.update(_kernel_profile(runner, loaded, prompt, report["median_step_ms"]))
     return report
@@ -91,14 +88,11 @@ def _kernel_profile(runner: Any, loaded: LoadedModel, prompt: list[int], median_
 
 def measure(loaded: LoadedModel, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
     """Graphs off and on (see the module docstring); ``graphs_on`` is ``{"not_available": why}``
-    where it cannot run, and ``speedup`` (off over on, median step) is then ``None``."""
-    graphs = has_cuda_graphs()
-    off = decode_steps(loaded, prompt_tokens, new_tokens, False if graphs else None)
+    off a CUDA device, and ``speedup`` (off over on, median step) is then ``None``."""
+    off = decode_steps(loaded, prompt_tokens, new_tokens, False)
     report: dict[str, Any] = {"graphs_off": off, "graphs_on": None, "speedup": None}
     if not loaded.device.startswith("cuda"):
         report["graphs_on"] = {"not_available": f"CUDA graphs need a CUDA device, not {loaded.device}"}
-    elif not graphs:
-        report["graphs_on"] = {"not_available": "CausalLMRunner has no cuda_graphs argument"}
     else:
         on = decode_steps(loaded, prompt_tokens, new_tokens, True)
         report["graphs_on"] = on

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -111,14 +110,13 @@ class Engines:
         return self._baseline
 
 
-def runner_options(device: str) -> dict[str, Any]:
-    """Sluice's runner options for ``device``: CUDA graphs for decode on a GPU, where the runner
-    has them (a ``cuda_graphs`` argument); none on a CPU."""
-    from models.causal_lm import CausalLMRunner
+def runner_options(device: str, max_num_seqs: int) -> dict[str, Any]:
+    """Sluice's runner options for ``device``: on a GPU, decode CUDA graphs at the batch sizes a
+    bucket of ``max_num_seqs`` captures (:func:`models.cuda_graphs.capture_sizes`), as a served
+    bucket on a ``cuda`` slice does by default; none on a CPU."""
+    from models.cuda_graphs import capture_sizes
 
-    if device.startswith("cuda") and "cuda_graphs" in inspect.signature(CausalLMRunner).parameters:
-        return {"cuda_graphs": True}
-    return {}
+    return {"cuda_graph_sizes": capture_sizes(max_num_seqs)} if device.startswith("cuda") else {}
 
 
 def run_sequential(engines: Engines, prompts: list[list[int]], max_new_tokens: int) -> SystemResult:
@@ -247,6 +245,8 @@ def run_sluice(engines: Engines, prompts: list[list[int]], max_new_tokens: int) 
 
     num_blocks = roomy_num_blocks(prompts, max_new_tokens)
     runner = CausalLMRunner(engines.loaded.model, num_blocks, SLUICE_BLOCK_SIZE, **engines.runner_options)
+    if engines.runner_options.get("cuda_graph_sizes"):
+        runner.warm_up([(1, 1)])  # captures the decode graphs, untimed, as a served bucket's warm-up does
     generate = functools.partial(sluice_generate, runner, engines.loaded, max_num_seqs=engines.max_num_seqs)
     generate([p[:WARM_UP_PROMPT_TOKENS] for p in prompts[:2]], WARM_UP_NEW_TOKENS)
     trace = StepTrace.around(runner)

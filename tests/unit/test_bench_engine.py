@@ -262,15 +262,11 @@ def test_sequential_times_only_its_share_of_the_prompts(monkeypatch: pytest.Monk
     assert seen == [[[1], [2]], prompts]
 
 
-def test_runner_options_ask_for_cuda_graphs_only_on_a_gpu_runner_that_has_them() -> None:
-    import inspect
-
+def test_runner_options_capture_decode_graphs_only_on_a_gpu() -> None:
     from bench.systems import runner_options
-    from models.causal_lm import CausalLMRunner
 
-    assert runner_options("cpu") == {}
-    has_graphs = "cuda_graphs" in inspect.signature(CausalLMRunner).parameters
-    assert runner_options("cuda:0") == ({"cuda_graphs": True} if has_graphs else {})
+    assert runner_options("cpu", 64) == {}
+    assert runner_options("cuda:0", 4) == {"cuda_graph_sizes": [1, 2, 4]}
 
 
 def test_keep_going_notes_a_failed_system_and_runs_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
