@@ -43,7 +43,9 @@ if [[ $DEVICE == cpu ]]; then
     DTYPE=float32 MODEL_DIR=$WORK/model LAYERS=(--num-hidden-layers 2) THREADS=1
     ENGINE_LEVELS=(1 4) NEW_TOKENS=8 MAX_PROMPT_TOKENS=48 SEQUENTIAL_PROMPTS=2 DECODE_TOKENS=8
     LOAD_LEVELS=(1 4) LOAD_INPUT_WORDS=32 LOAD_OUTPUT_TOKENS=8 BUDGET_S=${GPU_CHECK_BUDGET_S:-900}
-    export OMP_NUM_THREADS=1
+    # A cache of its own: the C++ kernel's build folder is shared by every checkout on a machine,
+    # and another checkout's build of a different source replaced it mid-run (a rebuild per stage).
+    export OMP_NUM_THREADS=1 SLUICE_CACHE_DIR=$WORK/cache
 else
     DRY_RUN=0 PYTHON=${PYTHON:-python3}
     DTYPE=bfloat16 MODEL_DIR=/tmp/sluice-gpu-model LAYERS=() THREADS=$(nproc)
@@ -125,7 +127,7 @@ MODEL_NAME=$("$PYTHON" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[
 PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 "$PYTHON" -m gateway serve --config "$CONFIG" --host 127.0.0.1 --port "$PORT" --log-level warning >"$OUT/serve.log" 2>&1 &
 SERVER_PID=$!
-trap 'kill "$SERVER_PID" 2>/dev/null' EXIT
+trap 'kill "$SERVER_PID" 2>/dev/null; rm -rf "$WORK"' EXIT
 if stage serve 120 "$LOG" "$PYTHON" -m bench.gpu_check wait --url "http://127.0.0.1:$PORT/health" \
     --pid "$SERVER_PID" --timeout-s 120; then
     for c in "${LOAD_LEVELS[@]}"; do
