@@ -58,7 +58,7 @@ ENGINE_PUBLIC_API = frozenset({
     "gateway.cli", "gateway.gate", "gateway.gate_process",
     "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io", "models.logprobs",
     "models.structured", "models.structured_sampling", "models.step_split", "models.lora",
-    "models.paged_attention", "models.kv_cache", "models.kv_accuracy",
+    "models.paged_attention", "models.kv_cache", "models.kv_accuracy", "models.cuda_graphs",
     "buckets.continuous", "buckets.dynamic", "buckets.request", "buckets.settings", "buckets.stats",
     "policies.tuning",
 })
