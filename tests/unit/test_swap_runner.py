@@ -112,3 +112,17 @@ def test_the_runner_measures_copies_and_prefills_for_auto(tiny_llama: Any) -> No
     assert [n for n, _ in timings.prefill_s_by_length] == [4, 8, 32]  # capped by the pool's 32 tokens
     assert torch.equal(runner.kv_cache.data, before)  # the blocks it used are put back
     assert measure_swap_costs(CausalLMRunner(tiny_llama, 8, BLOCK_SIZE)) is None
+
+
+def test_a_forks_block_copy_runs_before_the_swap_out_of_that_block(tiny_llama: Any) -> None:
+    # A fork preempted in the step after its fork: its copied block goes out in the same input.
+    from models.causal_lm import CausalLMRunner
+    from models.step_io import ForwardInput
+
+    runner = CausalLMRunner(tiny_llama, 4, BLOCK_SIZE, swap_space_bytes=2 * BLOCK_SIZE * SHAPE.bytes_per_token_in(torch.float32))
+    cache = runner.kv_cache
+    cache.data.normal_()
+    parent_block = cache.data[:, :, 1].clone()
+    runner.run(ForwardInput([], block_copies=[(1, 2)], swap_out=[(2, 0)]))
+    runner.run(ForwardInput([], swap_in=[(0, 3)]))
+    assert torch.equal(cache.data[:, :, 3], parent_block)
