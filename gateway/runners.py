@@ -128,10 +128,10 @@ def lora_runner_kwargs(lora: LoraConfig | None) -> dict[str, Any]:
 def swap_costs(runner: CausalLMRunner, info: dict[str, Any]) -> SwapCostModel | None:
     """What preempting costs ``runner`` each way (:func:`models.swap_costs.measure_swap_costs`,
     fitted by :func:`policies.preemption.fit_swap_costs`) for ``preemption: auto``; sets
-    ``info["swap_costs"]`` (milliseconds). ``None`` when its host pool holds no block."""
+    ``info["swap_costs"]`` (milliseconds). ``None`` when its host pool holds no block (the
+    build warns of that)."""
     timings = measure_swap_costs(runner)
     if timings is None:
-        log.warning("swap_space_holds_no_block", bytes_per_block=runner.kv_cache.bytes_per_block, running="recompute")
         return None
     costs = fit_swap_costs(timings.swap_out_s_per_block, timings.swap_in_s_per_block, timings.prefill_s_by_length)
     info["swap_costs"] = {
@@ -155,6 +155,16 @@ def cuda_graph_sizes(config: BucketConfig, device: str) -> list[int]:
     return capture_sizes(max(batcher.max_num_seqs, config.slo.max_batch if config.slo is not None else 0))
 
 
+def host_swap_bytes(config: BucketConfig) -> int:
+    """Bytes of the host pool bucket ``config``'s runner allocates for swap preemption: its
+    ``swap_space_bytes`` when its batcher swaps (``preemption`` ``swap`` or ``auto``), else 0 (a
+    ``recompute`` batcher never reads a host pool, so none is allocated, pinned or zeroed)."""
+    batcher = config.batcher
+    if not isinstance(batcher, ContinuousBatcherConfig) or batcher.preemption == "recompute":
+        return 0
+    return int(batcher.swap_space_bytes)
+
+
 def causal_lm_runner(
     loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any],
     kv_dtype: str | None = None, lora: LoraConfig | None = None,
@@ -167,7 +177,7 @@ def causal_lm_runner(
     kwargs: dict[str, Any] = {
         **lora_runner_kwargs(lora), "eos_token_ids": loaded.eos_token_ids, "tokenizer": loaded.tokenizer,
         "kv_cache_dtype": kv_dtype, "cuda_graph_sizes": cuda_graph_sizes(config, loaded.device),
-        "swap_space_bytes": int(config.batcher.swap_space_bytes) if isinstance(config.batcher, ContinuousBatcherConfig) else 0,
+        "swap_space_bytes": host_swap_bytes(config),
     }
 
     def warmed(runner: CausalLMRunner) -> CausalLMRunner:

@@ -264,8 +264,7 @@ def test_a_batcher_swapping_under_pressure_reads_only_its_own_kv_and_gives_every
     assert runner.violations == []
     assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
     assert stats.num_finished == 4
-    assert batcher.block_manager.num_used_blocks == 0
-    assert batcher.swapper is not None and batcher.swapper.space.num_free_blocks == 12
+    assert stats.kv_blocks_used == 0 and (stats.swap_blocks_used, stats.swap_blocks_total) == (0, 12)
     with pytest.raises(ValueError, match="preemption and swap_space_bytes are fixed"):
         batcher.update_settings(ContinuousBatcherSettings(4, 64, 2, preemption="auto", swap_space_bytes=1))
 
@@ -308,3 +307,14 @@ def test_swap_or_auto_without_swap_space_is_a_config_error_naming_the_field() ->
     batcher["swap_space_bytes"] = "64MiB"
     knobs = parse_config(data).models[0].buckets[0].batcher
     assert knobs.preemption == "auto" and knobs.swap_space_bytes == 64 * 1024 * 1024  # type: ignore[union-attr]
+
+
+def test_only_a_swapping_bucket_allocates_a_host_pool() -> None:
+    from gateway.runners import host_swap_bytes
+
+    data = make_config_data()
+    batcher = data["models"][0]["buckets"][0]["batcher"]
+    batcher["swap_space_bytes"] = "1GiB"  # left over under recompute: no 1 GiB (pinned on CUDA) for nothing
+    assert host_swap_bytes(parse_config(data).models[0].buckets[0]) == 0
+    batcher["preemption"] = "swap"
+    assert host_swap_bytes(parse_config(data).models[0].buckets[0]) == 1024**3
