@@ -126,3 +126,14 @@ def test_a_forks_block_copy_runs_before_the_swap_out_of_that_block(tiny_llama: A
     runner.run(ForwardInput([], block_copies=[(1, 2)], swap_out=[(2, 0)]))
     runner.run(ForwardInput([], swap_in=[(0, 3)]))
     assert torch.equal(cache.data[:, :, 3], parent_block)
+
+
+def test_auto_measures_a_pool_smaller_than_the_shortest_timed_prefill(tiny_llama: Any) -> None:
+    # 8 blocks of 4: every default length (64, 256, 1024) caps to 32 tokens, one timing alone.
+    from gateway.runners import swap_costs
+    from models.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_llama, 8, BLOCK_SIZE, swap_space_bytes=4 * BLOCK_SIZE * SHAPE.bytes_per_token_in(torch.float32))
+    info: dict[str, Any] = {}
+    assert swap_costs(runner, info) is not None
+    assert len(info["swap_costs"]["recompute_ms"]) >= 2
