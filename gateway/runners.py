@@ -155,16 +155,6 @@ def cuda_graph_sizes(config: BucketConfig, device: str) -> list[int]:
     return capture_sizes(max(batcher.max_num_seqs, config.slo.max_batch if config.slo is not None else 0))
 
 
-def host_swap_bytes(config: BucketConfig) -> int:
-    """Bytes of the host pool bucket ``config``'s runner allocates for swap preemption: its
-    ``swap_space_bytes`` when its batcher swaps (``preemption`` ``swap`` or ``auto``), else 0 (a
-    ``recompute`` batcher never reads a host pool, so none is allocated, pinned or zeroed)."""
-    batcher = config.batcher
-    if not isinstance(batcher, ContinuousBatcherConfig) or batcher.preemption == "recompute":
-        return 0
-    return int(batcher.swap_space_bytes)
-
-
 def causal_lm_runner(
     loaded: LoadedModel, num_blocks: int, block_size: int, label: str, config: BucketConfig, info: dict[str, Any],
     kv_dtype: str | None = None, lora: LoraConfig | None = None,
@@ -177,7 +167,7 @@ def causal_lm_runner(
     kwargs: dict[str, Any] = {
         **lora_runner_kwargs(lora), "eos_token_ids": loaded.eos_token_ids, "tokenizer": loaded.tokenizer,
         "kv_cache_dtype": kv_dtype, "cuda_graph_sizes": cuda_graph_sizes(config, loaded.device),
-        "swap_space_bytes": host_swap_bytes(config),
+        "swap_space_bytes": config.batcher.host_swap_bytes if isinstance(config.batcher, ContinuousBatcherConfig) else 0,
     }
 
     def warmed(runner: CausalLMRunner) -> CausalLMRunner:

@@ -309,12 +309,18 @@ def test_swap_or_auto_without_swap_space_is_a_config_error_naming_the_field() ->
     assert knobs.preemption == "auto" and knobs.swap_space_bytes == 64 * 1024 * 1024  # type: ignore[union-attr]
 
 
-def test_only_a_swapping_bucket_allocates_a_host_pool() -> None:
-    from gateway.runners import host_swap_bytes
+
+def test_only_a_swapping_bucket_holds_a_host_pool_which_the_memory_budget_counts() -> None:
+    from gateway.memory import GATEWAY_SCOPE, model_bytes_by_scope
 
     data = make_config_data()
     batcher = data["models"][0]["buckets"][0]["batcher"]
     batcher["swap_space_bytes"] = "1GiB"  # left over under recompute: no 1 GiB (pinned on CUDA) for nothing
-    assert host_swap_bytes(parse_config(data).models[0].buckets[0]) == 0
+    config = parse_config(data)
+    name = config.models[0].name
+    assert config.models[0].buckets[0].batcher.host_swap_bytes == 0  # type: ignore[union-attr]
+    recompute_bytes = model_bytes_by_scope(config, name, {}, 100)[GATEWAY_SCOPE]
     batcher["preemption"] = "swap"
-    assert host_swap_bytes(parse_config(data).models[0].buckets[0]) == 1024**3
+    config = parse_config(data)
+    assert config.models[0].buckets[0].batcher.host_swap_bytes == 1024**3  # type: ignore[union-attr]
+    assert model_bytes_by_scope(config, name, {}, 100)[GATEWAY_SCOPE] == recompute_bytes + 1024**3
