@@ -197,6 +197,8 @@ class ContinuousBatcher:
             num_preemptions=self.scheduler.counters.num_preemptions,
             num_swap_outs=self.scheduler.counters.num_swap_outs,
             num_swap_ins=self.scheduler.counters.num_swap_ins,
+            swap_blocks_total=self.swapper.space.num_blocks if self.swapper is not None else 0,
+            swap_blocks_used=self.swapper.space.num_used_blocks if self.swapper is not None else 0,
             num_chunked_prefills=self.scheduler.counters.num_chunked_prefills,
             max_step_loras=self.scheduler.counters.max_step_loras,
             num_lora_loads=self.scheduler.counters.num_lora_loads,

@@ -41,9 +41,9 @@ class ModelRunner(Protocol):
         their ``position``, KV read from and written to their ``block_table``), then one sampled
         token for each sequence with ``do_sample`` and for each of its ``forks`` (from the same
         logits row, each fork with its own sampler state). First drops the sampler state of
-        ``forward.released_seq_ids``, copies ``forward.swap_out`` to the host pool, then
-        ``forward.block_copies`` and ``forward.swap_in`` back (an input with no sequences only
-        does that). Never changes queues or block tables.
+        ``forward.released_seq_ids``, runs ``forward.block_copies``, copies ``forward.swap_out``
+        to the host pool, then ``forward.swap_in`` back (an input with no sequences only does
+        that). Never changes queues or block tables.
 
         Raises:
             Exception: any failure of the forward; the batcher fails the step's requests with

@@ -29,7 +29,9 @@ class BucketStats:
     Continuous batchers also report their KV pool (``kv_blocks_used`` of ``kv_blocks_total``,
     blocks of ``kv_block_size`` tokens, ``kv_blocks_evictable`` of the free ones still holding
     prefix-cached KV), prefix-cache lookups and hits (in blocks), preemptions (``num_preemptions``, by recompute or
-    swap; ``num_swap_outs`` of them swapped to the host pool, ``num_swap_ins`` swapped back), and prefill
+    swap; ``num_swap_outs`` of them swapped to the host pool, ``num_swap_ins`` swapped back), the
+    host pool of swap preemption (``swap_blocks_used`` of ``swap_blocks_total``: blocks holding
+    swapped-out KV; 0 of 0 without swap), and prefill
     chunks that left part of a prompt for a later step, the most distinct LoRA adapters one step
     held (``max_step_loras``, at most ``max_loras``) and adapters copied into a runner slot
     (``num_lora_loads``), and their step-time model
@@ -70,6 +72,8 @@ class BucketStats:
     num_preemptions: int = 0
     num_swap_outs: int = 0
     num_swap_ins: int = 0
+    swap_blocks_total: int = 0
+    swap_blocks_used: int = 0
     num_chunked_prefills: int = 0
     max_step_loras: int = 0
     num_lora_loads: int = 0
@@ -120,6 +124,7 @@ STEP_TIME_FIELDS = frozenset({
 # step-time model. Every other field counts since the bucket key first served.
 PER_BUILD_FIELDS = frozenset({
     "kind", "num_waiting", "num_running", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_evictable",
+    "swap_blocks_total", "swap_blocks_used",
 }) | STEP_TIME_FIELDS
 # Cumulative fields that keep the largest value of the builds rather than their sum.
 MAX_FIELDS = frozenset({"max_batch_seqs", "max_step_loras"})

@@ -3,8 +3,9 @@
 A victim of preemption (:meth:`buckets.scheduler.Scheduler._preempt`) either drops its KV and
 recomputes it when it resumes, or, when :func:`policies.preemption.should_swap` says so, has its
 computed blocks copied to a pool in host memory (vLLM V0's ``swap_space``): the runner copies
-``ForwardInput.swap_out`` pairs ``(device block, host block)`` before anything of the step writes
-KV, so the device blocks the victim frees can serve another sequence in the same step. When it
+``ForwardInput.swap_out`` pairs ``(device block, host block)`` after the step's fork block copies
+(a fork preempted in the step after its fork holds its copied block only then) and before the
+forward writes KV, so the device blocks the victim frees can serve another sequence in the same step. When it
 resumes, it gets device blocks again and the runner copies ``ForwardInput.swap_in`` pairs
 ``(host block, device block)`` back before the forward; its host blocks are free from then on.
 

@@ -212,6 +212,11 @@ class BucketBuilder:
             "kv_pool_allocated", model=model.name, bucket=config.bucket_name, num_blocks=num_blocks,
             block_size=knobs.block_size, kv_cache_bytes=runner.kv_cache.nbytes, num_host_blocks=runner.kv_cache.num_host_blocks,
         )
+        if knobs.preemption != "recompute" and runner.kv_cache.num_host_blocks == 0:
+            log.warning(
+                "swap_space_holds_no_block", model=model.name, bucket=config.bucket_name, swap_space_bytes=int(knobs.swap_space_bytes),
+                bytes_per_block=runner.kv_cache.bytes_per_block, running="recompute",
+            )
         swap_costs = runners.swap_costs(runner, info) if knobs.preemption == "auto" else None
         return ContinuousBatcher(
             runner, continuous_settings(knobs, lora_slots(model)), loaded.tokenizer, loaded.eos_token_ids, swap_costs=swap_costs,

@@ -132,6 +132,13 @@ class ContinuousBatcherConfig(_Strict):
             raise ValueError(f"swap_space_bytes: preemption {self.preemption} needs host memory to swap to (got 0)")
         return self
 
+    @property
+    def host_swap_bytes(self) -> int:
+        """Bytes of the host pool swap preemption allocates: ``swap_space_bytes`` when
+        ``preemption`` swaps (``swap`` or ``auto``), else 0 (a ``recompute`` bucket reads no host
+        pool, so none is allocated, pinned or zeroed)."""
+        return int(self.swap_space_bytes) if self.preemption != "recompute" else 0
+
 
 BatcherConfig = Annotated[DynamicBatcherConfig | ContinuousBatcherConfig, Field(discriminator="kind")]
 

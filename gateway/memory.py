@@ -150,10 +150,11 @@ def budgets_by_scope(config: GatewayConfig, physical_memory_bytes: int) -> dict[
 
 
 def model_bytes_by_scope(config: GatewayConfig, name: str, kv_bytes: dict[BucketName, int], model_weight_bytes: int) -> dict[str, int]:
-    """Bytes model ``name`` holds in each scope once loaded: its weights (``model_weight_bytes``)
-    and KV pools (``kv_bytes``, as :func:`split_kv_memory` gives them) in the gateway scope; on
-    each slice it has a bucket on, its weights (counted on every such slice, as
-    :func:`check_slice_budgets` does) and the pools of its buckets there.
+    """Bytes model ``name`` holds in each scope once loaded: its weights (``model_weight_bytes``),
+    KV pools (``kv_bytes``, as :func:`split_kv_memory` gives them) and swap preemption's host
+    pools (:attr:`~gateway.config.ContinuousBatcherConfig.host_swap_bytes`, in this process's
+    memory) in the gateway scope; on each slice it has a bucket on, its weights (counted on every
+    such slice, as :func:`check_slice_budgets` does) and the pools of its buckets there.
 
     Raises:
         KeyError: no model ``name`` in ``config``.
@@ -162,7 +163,8 @@ def model_bytes_by_scope(config: GatewayConfig, name: str, kv_bytes: dict[Bucket
     pools = {b.slice: 0 for b in model.buckets}
     for bucket in model.buckets:
         pools[bucket.slice] += kv_bytes.get((name, bucket.bucket_name), 0)
-    scopes = {GATEWAY_SCOPE: model_weight_bytes + sum(pools.values())}
+    host_pools = sum(b.batcher.host_swap_bytes for b in model.buckets if isinstance(b.batcher, ContinuousBatcherConfig))
+    scopes = {GATEWAY_SCOPE: model_weight_bytes + sum(pools.values()) + host_pools}
     scopes.update({slice_scope(s): model_weight_bytes + pool for s, pool in pools.items()})
     return scopes
 

@@ -128,10 +128,10 @@ def lora_runner_kwargs(lora: LoraConfig | None) -> dict[str, Any]:
 def swap_costs(runner: CausalLMRunner, info: dict[str, Any]) -> SwapCostModel | None:
     """What preempting costs ``runner`` each way (:func:`models.swap_costs.measure_swap_costs`,
     fitted by :func:`policies.preemption.fit_swap_costs`) for ``preemption: auto``; sets
-    ``info["swap_costs"]`` (milliseconds). ``None`` when its host pool holds no block."""
+    ``info["swap_costs"]`` (milliseconds). ``None`` when its host pool holds no block (the
+    build warns of that)."""
     timings = measure_swap_costs(runner)
     if timings is None:
-        log.warning("swap_space_holds_no_block", bytes_per_block=runner.kv_cache.bytes_per_block, running="recompute")
         return None
     costs = fit_swap_costs(timings.swap_out_s_per_block, timings.swap_in_s_per_block, timings.prefill_s_by_length)
     info["swap_costs"] = {
@@ -167,7 +167,7 @@ def causal_lm_runner(
     kwargs: dict[str, Any] = {
         **lora_runner_kwargs(lora), "eos_token_ids": loaded.eos_token_ids, "tokenizer": loaded.tokenizer,
         "kv_cache_dtype": kv_dtype, "cuda_graph_sizes": cuda_graph_sizes(config, loaded.device),
-        "swap_space_bytes": int(config.batcher.swap_space_bytes) if isinstance(config.batcher, ContinuousBatcherConfig) else 0,
+        "swap_space_bytes": config.batcher.host_swap_bytes if isinstance(config.batcher, ContinuousBatcherConfig) else 0,
     }
 
     def warmed(runner: CausalLMRunner) -> CausalLMRunner:

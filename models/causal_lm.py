@@ -159,9 +159,10 @@ class CausalLMRunner:
         for those with ``num_top_logprobs`` (a fork's from the row it sampled from), and prompt
         logprobs for those with ``prompt_logprob_token_ids`` (all from the raw logits,
         :mod:`models.logprobs`). A step where no sequence asks for logprobs computes none. The
-        ``swap_out`` copies run first (the blocks a swapped-out victim freed may serve another
-        sequence in this step), then the ``block_copies``, so a fork's block holds its parent's
-        KV before either writes, the ``swap_in`` copies and the ``lora_loads``; a sequence runs
+        ``block_copies`` run first, so a fork's block holds its parent's KV before anything
+        reads it (a fork swapped out in this step copies it to the host), then the ``swap_out``
+        copies (before the forward: the blocks a swapped-out victim freed may serve another
+        sequence in this step), the ``swap_in`` copies and the ``lora_loads``; a sequence runs
         its ``lora_slot``'s adapter, its forks too.
 
         Raises:
@@ -173,8 +174,8 @@ class CausalLMRunner:
             self._histories.pop(seq_id, None)
             if self._matchers is not None:
                 self._matchers.release(seq_id)
-        self.kv_cache.swap_out(batch.swap_out)
         self.kv_cache.copy_blocks(batch.block_copies)
+        self.kv_cache.swap_out(batch.swap_out)
         self.kv_cache.swap_in(batch.swap_in)
         for slot, request in batch.lora_loads:
             self._lora_stacks().load(slot, request.weights)

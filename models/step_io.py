@@ -167,9 +167,10 @@ class ForwardInput:
     slot the scheduler reloads; :class:`policies.lora_slots.LoraSlots`).
 
     Swap preemption (:mod:`buckets.swap_space`): ``swap_out`` are ``(device block, host block)``
-    pairs the runner copies to its host pool first, before the block copies and the forward (the
+    pairs the runner copies to its host pool after the block copies and before the forward (the
     device blocks were freed by a victim this plan and may already serve another sequence in
-    it); ``swap_in`` are ``(host block, device block)`` pairs it copies back before the forward.
+    it; a fork swapped out in the step after its fork holds its copied block only once the block
+    copies ran); ``swap_in`` are ``(host block, device block)`` pairs it copies back next.
     """
 
     sequences: list[SequenceInput]

@@ -32,8 +32,8 @@ class SwapTimings:
 def measure_swap_costs(runner: Any, prefill_lengths: Sequence[int] = SWAP_COST_PREFILL_LENGTHS) -> SwapTimings | None:
     """Time a :class:`models.causal_lm.CausalLMRunner`: :data:`COST_BLOCKS` blocks (fewer in a
     smaller pool) copied out to its host pool and back in (seconds per block each way, the best
-    of :data:`COST_REPEATS`), and one-sequence prefills of ``prefill_lengths`` tokens (capped by
-    the pool) through :meth:`~models.causal_lm.CausalLMRunner.warm_up` (best of
+    of :data:`COST_REPEATS`), and one-sequence prefills of ``prefill_lengths`` tokens
+    (:func:`timed_lengths`: capped by the pool) through :meth:`~models.causal_lm.CausalLMRunner.warm_up` (best of
     :data:`COST_REPEATS`); the gateway fits them as ``a + b n + c n^2``
     (:func:`policies.preemption.fit_swap_costs`). Called once at start, after the runner's
     warm-up, before any request: the device blocks it overwrites are put back. ``None`` without
@@ -51,9 +51,23 @@ def measure_swap_costs(runner: Any, prefill_lengths: Sequence[int] = SWAP_COST_P
         in_s = _best_s(lambda: cache.swap_in(pairs), cache.data.device) / num_blocks
     finally:
         cache.restore_blocks(blocks, saved)
-    lengths = sorted({min(n, cache.num_blocks * cache.block_size) for n in prefill_lengths})
+    lengths = timed_lengths(prefill_lengths, cache.num_blocks * cache.block_size)
     prefills = [(n, min(runner.warm_up([(1, n)]) for _ in range(COST_REPEATS))) for n in lengths]
     return SwapTimings(out_s, in_s, prefills)
+
+
+def timed_lengths(prefill_lengths: Sequence[int], max_tokens: int) -> list[int]:
+    """The prefill lengths (tokens) to time: ``prefill_lengths`` capped at ``max_tokens`` (the
+    pool's), with half and a quarter of ``max_tokens`` added while the capped ones are fewer than
+    three, so a pool below the lengths still gives the fit of ``a + b n + c n^2`` three points
+    (two for a pool of 2 or 3 tokens; one, which cannot be fitted, for a pool of 1)."""
+    lengths = {min(n, max_tokens) for n in prefill_lengths}
+    for n in (max_tokens, max_tokens // 2, max_tokens // 4):
+        if len(lengths) >= 3:
+            break
+        if n > 0:
+            lengths.add(n)
+    return sorted(lengths)
 
 
 def _best_s(work: Callable[[], object], device: torch.device) -> float:

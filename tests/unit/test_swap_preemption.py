@@ -4,11 +4,13 @@ checks every KV slot a sequence reads was written by it, across swaps out and ba
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
 from buckets.continuous import ContinuousBatcher
+from buckets.request import GenerationRequest
 from buckets.scheduler import Scheduler, StepPlan
 from buckets.sequence import FinishReason, Sequence, SequenceStatus
 from buckets.settings import ContinuousBatcherSettings
@@ -17,7 +19,7 @@ from gateway.errors import ConfigError
 from models.step_io import ForwardInput, ForwardOutput, LoraRequest
 from policies.preemption import SwapCostModel, fit_swap_costs, should_swap
 from policies.step_time import StepTimeFit
-from tests.factories import EOS, FakeClock, FakeTokenizer, make_request, make_scheduler, make_sequence
+from tests.factories import EOS, FakeClock, FakeTokenizer, Recorder, make_request, make_scheduler, make_sequence
 from tests.unit.test_config import make_config_data
 from tests.unit.test_forks import KVRunner, drain
 
@@ -205,9 +207,9 @@ def test_a_swapped_lora_sequence_gives_its_slot_back_and_takes_one_when_it_resum
 
 
 class SwapKVRunner(KVRunner):
-    """:class:`KVRunner` with a host pool: ``swap_out`` copies slots to it before anything of the
-    step, ``swap_in`` copies them back, so a block reused too early or a copy missed fails the
-    slot checks."""
+    """:class:`KVRunner` with a host pool, in the real runner's order: the fork block copies,
+    then ``swap_out`` copies slots to the host, then ``swap_in`` copies them back, so a block
+    reused too early or a copy missed fails the slot checks."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
         super().__init__(num_blocks, block_size)
@@ -216,6 +218,10 @@ class SwapKVRunner(KVRunner):
 
     def _run(self, batch: ForwardInput) -> ForwardOutput:
         size = self.kv_cache.block_size
+        for src, dst in batch.block_copies:
+            for offset in range(size):
+                if (src, offset) in self.slots:
+                    self.slots[(dst, offset)] = self.slots[(src, offset)]
         for device, host in batch.swap_out:
             for offset in range(size):
                 self.host_slots.pop((host, offset), None)
@@ -225,7 +231,25 @@ class SwapKVRunner(KVRunner):
             for offset in range(size):
                 if (host, offset) in self.host_slots:
                     self.slots[(device, offset)] = self.host_slots[(host, offset)]
-        return super()._run(batch)
+        return super()._run(dataclasses.replace(batch, block_copies=[]))
+
+
+def test_a_fork_swapped_out_in_the_step_after_its_fork_takes_its_copied_block_along() -> None:
+    # 5 blocks of 2. Step 1 prefills "a" (4 tokens, 2 blocks) and "b" (3 tokens, 2 blocks) and
+    # forks b's second choice (b's first block shared, a copy of its partial second block: the 5th).
+    # Step 2: a's decode needs a 3rd block; the victim is the fork (lowest priority, latest), whose
+    # copied block must reach the host pool with its parent's KV, not as it was before the copy.
+    runner = SwapKVRunner(num_blocks=5, block_size=2, num_host_blocks=8)
+    settings = ContinuousBatcherSettings(8, 64, 2, preemption="swap", swap_space_bytes=1)
+    batcher = ContinuousBatcher(runner, settings, FakeTokenizer(), frozenset({EOS}), clock=FakeClock())
+    batcher.submit(make_request(4, 6, name="a", first_token=11, ignore_eos=True))
+    batcher.submit(GenerationRequest(request_id="b", priority=1, prompt_token_ids=[1, 2, 3], sink=Recorder(), max_tokens=6, n=2, ignore_eos=True))
+    batcher.step()
+    batcher.step()
+    assert runner.calls[-1].block_copies and runner.calls[-1].swap_out  # the fork's copy and its swap, one step
+    drain(batcher)
+    stats = batcher.stats()
+    assert runner.violations == [] and stats.num_finished == 2 and stats.num_swap_ins == stats.num_swap_outs > 0
 
 
 def test_a_batcher_swapping_under_pressure_reads_only_its_own_kv_and_gives_every_block_back() -> None:
@@ -240,8 +264,7 @@ def test_a_batcher_swapping_under_pressure_reads_only_its_own_kv_and_gives_every
     assert runner.violations == []
     assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
     assert stats.num_finished == 4
-    assert batcher.block_manager.num_used_blocks == 0
-    assert batcher.swapper is not None and batcher.swapper.space.num_free_blocks == 12
+    assert stats.kv_blocks_used == 0 and (stats.swap_blocks_used, stats.swap_blocks_total) == (0, 12)
     with pytest.raises(ValueError, match="preemption and swap_space_bytes are fixed"):
         batcher.update_settings(ContinuousBatcherSettings(4, 64, 2, preemption="auto", swap_space_bytes=1))
 
@@ -284,3 +307,20 @@ def test_swap_or_auto_without_swap_space_is_a_config_error_naming_the_field() ->
     batcher["swap_space_bytes"] = "64MiB"
     knobs = parse_config(data).models[0].buckets[0].batcher
     assert knobs.preemption == "auto" and knobs.swap_space_bytes == 64 * 1024 * 1024  # type: ignore[union-attr]
+
+
+
+def test_only_a_swapping_bucket_holds_a_host_pool_which_the_memory_budget_counts() -> None:
+    from gateway.memory import GATEWAY_SCOPE, model_bytes_by_scope
+
+    data = make_config_data()
+    batcher = data["models"][0]["buckets"][0]["batcher"]
+    batcher["swap_space_bytes"] = "1GiB"  # left over under recompute: no 1 GiB (pinned on CUDA) for nothing
+    config = parse_config(data)
+    name = config.models[0].name
+    assert config.models[0].buckets[0].batcher.host_swap_bytes == 0  # type: ignore[union-attr]
+    recompute_bytes = model_bytes_by_scope(config, name, {}, 100)[GATEWAY_SCOPE]
+    batcher["preemption"] = "swap"
+    config = parse_config(data)
+    assert config.models[0].buckets[0].batcher.host_swap_bytes == 1024**3  # type: ignore[union-attr]
+    assert model_bytes_by_scope(config, name, {}, 100)[GATEWAY_SCOPE] == recompute_bytes + 1024**3

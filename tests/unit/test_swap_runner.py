@@ -112,3 +112,40 @@ def test_the_runner_measures_copies_and_prefills_for_auto(tiny_llama: Any) -> No
     assert [n for n, _ in timings.prefill_s_by_length] == [4, 8, 32]  # capped by the pool's 32 tokens
     assert torch.equal(runner.kv_cache.data, before)  # the blocks it used are put back
     assert measure_swap_costs(CausalLMRunner(tiny_llama, 8, BLOCK_SIZE)) is None
+
+
+def test_auto_measures_a_pool_smaller_than_the_shortest_timed_prefill(tiny_llama: Any) -> None:
+    # 8 blocks of 4: every default length (64, 256, 1024) caps to 32 tokens, one timing alone.
+    from gateway.runners import swap_costs
+    from models.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_llama, 8, BLOCK_SIZE, swap_space_bytes=4 * BLOCK_SIZE * SHAPE.bytes_per_token_in(torch.float32))
+    info: dict[str, Any] = {}
+    assert swap_costs(runner, info) is not None
+    assert len(info["swap_costs"]["recompute_ms"]) >= 2
+
+
+def test_a_greedy_fork_swapped_out_right_after_its_fork_gives_its_parents_tokens(tiny_llama: Any) -> None:
+    # 5 blocks of 4: "a" (8 tokens, 2 blocks) and "b" (5 tokens, 2 blocks; n=2, its fork shares the
+    # first and copies the second) fill the pool; a's first decode preempts the fork (lowest priority,
+    # latest) in the step its block copy runs.
+    from models.causal_lm import CausalLMRunner
+
+    bytes_per_block = BLOCK_SIZE * SHAPE.bytes_per_token_in(torch.float32)
+    runner = CausalLMRunner(tiny_llama, 5, BLOCK_SIZE, swap_space_bytes=8 * bytes_per_block)
+    runner.kv_cache.data.normal_(std=100.0)  # a block read before it was written tells
+    settings = ContinuousBatcherSettings(8, 64, BLOCK_SIZE, preemption="swap", swap_space_bytes=8 * bytes_per_block)
+    batcher = ContinuousBatcher(runner, settings, FakeTokenizer(), frozenset())
+    greedy = SamplingParams(temperature=0.0)
+    batcher.submit(GenerationRequest(request_id="a", prompt_token_ids=list(range(10, 18)), sink=Recorder(), max_tokens=12, params=greedy, ignore_eos=True))
+    forked = GenerationRequest(
+        request_id="b", priority=1, prompt_token_ids=[3, 5, 7, 9, 11], sink=Recorder(), max_tokens=8, params=greedy, n=2, ignore_eos=True,
+    )
+    batcher.submit(forked)
+    drain(batcher, max_steps=100)
+    choices: dict[int, list[int]] = {0: [], 1: []}
+    for event in forked.sink.events:  # type: ignore[attr-defined]
+        if isinstance(event, TokenEvent):
+            choices[event.index].extend(event.token_ids)
+    assert batcher.stats().num_swap_outs > 0
+    assert choices[0] == choices[1] and len(choices[0]) == 8
