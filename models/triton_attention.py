@@ -31,6 +31,7 @@ before importing this module to run the kernels on CPU tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -237,22 +238,8 @@ def triton_paged_decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    launch = decode_launch(block_tables.shape[1] * block_size, num_seqs * num_kv_heads, group, head_dim, num_splits)
-    splits = launch.num_splits
-    part_max, part_sum, part_acc = _split_scratch(num_seqs, num_heads, splits, head_dim, query.device) if splits > 1 else (out, out, out)
-    _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query, key_cache, value_cache, block_tables, context_lens, out, part_max, part_sum, part_acc, scale,
-        *query.stride(), *key_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
-        num_heads, splits, launch.tokens_per_split,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        DIM_PAD=_dim_pad(head_dim), TILE_N=launch.tile_tokens, IS_SPLIT=splits > 1,
-    )  # fmt: skip
-    if splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
-            part_max, part_sum, part_acc, out, *out.stride()[:2], num_heads, splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), DIM_PAD=_dim_pad(head_dim),
-        )  # fmt: skip
+    for call in decode_kernel_calls(query, key_cache, value_cache, block_tables, context_lens, out, scale, num_splits):
+        call.launch()
     return out
 
 
@@ -294,16 +281,81 @@ def triton_paged_prefill_attention(
     num_segments = segments.shape[1]
     if num_segments == 0:
         return out
+    prefill_kernel_call(query, key_cache, value_cache, block_tables, segments, max_segment_tokens, out, scale).launch()
+    return out
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One launch, ``kernel[grid](*args, **constexprs)``: what the entry points run and what
+    ``tests/triton_aot.py`` compiles ahead of time for sm_90 from the same values."""
+
+    kernel: triton.runtime.JITFunction[Any]
+    grid: tuple[int, ...]
+    args: tuple[object, ...]
+    constexprs: dict[str, object]
+
+    def launch(self) -> None:
+        """Run the kernel (compiling it on the first call of a specialization)."""
+        self.kernel[self.grid](*self.args, **self.constexprs)
+
+
+def decode_kernel_calls(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> list[KernelCall]:
+    """The launches of :func:`triton_paged_decode_attention` (arguments as it documents, ``out``
+    its result, ``num_seqs >= 1``): the decode kernel, then the reduce kernel when the context is
+    split; allocates the splits' float32 scratch on the query's device (``meta`` tensors work)."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    launch = decode_launch(block_tables.shape[1] * block_size, num_seqs * num_kv_heads, group, head_dim, num_splits)
+    splits = launch.num_splits
+    part_max, part_sum, part_acc = _split_scratch(num_seqs, num_heads, splits, head_dim, query.device) if splits > 1 else (out, out, out)
+    calls = [KernelCall(_decode_kernel, (num_seqs, num_kv_heads, splits), (
+        query, key_cache, value_cache, block_tables, context_lens, out, part_max, part_sum, part_acc, scale,
+        *query.stride(), *key_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2],
+        num_heads, splits, launch.tokens_per_split,
+    ), dict(
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        DIM_PAD=_dim_pad(head_dim), TILE_N=launch.tile_tokens, IS_SPLIT=splits > 1,
+    ))]  # fmt: skip
+    if splits > 1:
+        calls.append(KernelCall(_reduce_kernel, (num_seqs, num_heads), (
+            part_max, part_sum, part_acc, out, *out.stride()[:2], num_heads, splits,
+        ), dict(HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), DIM_PAD=_dim_pad(head_dim))))  # fmt: skip
+    return calls
+
+
+def prefill_kernel_call(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    segments: torch.Tensor,
+    max_segment_tokens: int,
+    out: torch.Tensor,
+    scale: float,
+) -> KernelCall:
+    """The launch of :func:`triton_paged_prefill_attention` (arguments as it documents, ``out``
+    allocated, at least one segment)."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_query_tiles = -(-max_segment_tokens // PREFILL_TILE_QUERIES)
-    _prefill_kernel[(num_segments * num_query_tiles, query.shape[1])](
+    return KernelCall(_prefill_kernel, (segments.shape[1] * num_query_tiles, query.shape[1]), (
         query, key_cache, value_cache, block_tables, segments[0], segments[1], segments[2], out, scale,
         *query.stride(), *key_cache.stride()[:3], block_tables.stride(0), *out.stride()[:2], num_query_tiles,
+    ), dict(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=query.shape[1] // num_kv_heads,
         DIM_PAD=_dim_pad(head_dim), TILE_M=PREFILL_TILE_QUERIES, TILE_N=PREFILL_TILE_KEYS,
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
-    return out
+    ))  # fmt: skip
 
 
 def _split_scratch(
