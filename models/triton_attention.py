@@ -233,10 +233,8 @@ def triton_paged_decode_attention(
     _check_float_cache(key_cache)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if num_seqs == 0:
+    if query.shape[0] == 0:
         return out
     for call in decode_kernel_calls(query, key_cache, value_cache, block_tables, context_lens, out, scale, num_splits):
         call.launch()
@@ -278,8 +276,7 @@ def triton_paged_prefill_attention(
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {list(query.shape)} {query.dtype} with unit stride in head_dim")
-    num_segments = segments.shape[1]
-    if num_segments == 0:
+    if segments.shape[1] == 0:
         return out
     prefill_kernel_call(query, key_cache, value_cache, block_tables, segments, max_segment_tokens, out, scale).launch()
     return out
@@ -287,8 +284,7 @@ def triton_paged_prefill_attention(
 
 @dataclass(frozen=True)
 class KernelCall:
-    """One launch, ``kernel[grid](*args, **constexprs)``: what the entry points run and what
-    ``tests/triton_aot.py`` compiles ahead of time for sm_90 from the same values."""
+    """One launch, ``kernel[grid](*args, **constexprs)``: the entry points run it, tests/triton_aot.py compiles it."""
 
     kernel: triton.runtime.JITFunction[Any]
     grid: tuple[int, ...]
