@@ -169,16 +169,7 @@ class CausalLMRunner:
             ValueError: a LoRA load or slot this runner cannot take (``max_loras`` 0, a slot out
                 of range or empty, an adapter's rank above ``max_lora_rank``).
         """
-        for seq_id in batch.released_seq_ids:
-            self._generators.pop(seq_id, None)
-            self._histories.pop(seq_id, None)
-            if self._matchers is not None:
-                self._matchers.release(seq_id)
-        self.kv_cache.copy_blocks(batch.block_copies)
-        self.kv_cache.swap_out(batch.swap_out)
-        self.kv_cache.swap_in(batch.swap_in)
-        for slot, request in batch.lora_loads:
-            self._lora_stacks().load(slot, request.weights)
+        self._apply_changes(batch)
         if not batch.sequences:
             return ForwardOutput(sampled_token_ids={})
         # Single-token segments (decodes) go first: attention runs them in one paged call.
@@ -220,6 +211,20 @@ class CausalLMRunner:
             sampled_token_ids={s.seq_id: t for s, t in zip(sampling, tokens)}, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             constraint_done=constraint_done, sampling_s=sampling_s,
         )
+
+    def _apply_changes(self, batch: ForwardInput) -> None:
+        """What ``batch`` changes before its forward, in :meth:`run`'s order: ended sequences'
+        sampler state dropped, block copies, swap-outs, swap-ins, LoRA slot loads."""
+        for seq_id in batch.released_seq_ids:
+            self._generators.pop(seq_id, None)
+            self._histories.pop(seq_id, None)
+            if self._matchers is not None:
+                self._matchers.release(seq_id)
+        self.kv_cache.copy_blocks(batch.block_copies)
+        self.kv_cache.swap_out(batch.swap_out)
+        self.kv_cache.swap_in(batch.swap_in)
+        for slot, request in batch.lora_loads:
+            self._lora_stacks().load(slot, request.weights)
 
     def _token_mask(self, constrained: list[tuple[int, int, Constraint]]) -> TokenMask:
         """The allowed tokens of the step's constrained rows ``(row, seq_id, constraint)``.
