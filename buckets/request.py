@@ -81,6 +81,11 @@ class Request:
     ``deadline_s`` is when the request times out (monotonic seconds, the batcher's clock;
     ``None``: never): the batcher drops it then, queued or running, and frees what it held.
 
+    ``tenant`` names who sent it (an API key's tenant; ``"anonymous"`` without auth) and
+    ``tenant_weight`` is that tenant's weight in a bucket's fair share (> 0, default 1): the
+    scheduler serves competing tenants tokens in proportion to their weights
+    (:mod:`policies.fair_share`).
+
     ``on_dequeue`` is called when the request leaves its bucket's queue (it starts, is dropped
     or fails; :meth:`leave_queue`); the bucket sets it to release its admission ticket.
     ``on_cancel`` is called with the request once, by the first :meth:`cancel`, on the
@@ -92,6 +97,8 @@ class Request:
     sink: Sink
     priority: int = 0
     deadline_s: float | None = None
+    tenant: str = "anonymous"
+    tenant_weight: float = 1.0
     timeline: dict[str, float] = field(default_factory=dict)
     batches: list[tuple[int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)

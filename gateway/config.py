@@ -417,6 +417,57 @@ class ModelDefaultsConfig(_Strict):
     max_queue_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
 
 
+class ApiKeyConfig(_Strict):
+    """One API key of ``auth.api_keys``: its tenant, what it may use, and its quotas.
+
+    The key itself is never written down: ``key_sha256`` is the SHA-256 of the key's UTF-8 text
+    in lower-case hex (``sluice keys add NAME`` prints a new key once, with this line).
+    """
+
+    # The tenant: access log, request timeline, the ``tenant`` metric label, fair share.
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    # Model ids and adapter ids this key may use; None: all. Others answer 404 as if unknown.
+    models: list[str] | None = None
+    # The priority of this tenant's requests that name none (None: 0, as without auth).
+    priority: int | None = None
+    # The most urgent priority (the lowest number) a request of this tenant may ask; None: any.
+    max_priority: int | None = None
+    # Share of a bucket, by tokens served, when tenants compete there (policies/fair_share.py).
+    weight: float = Field(default=1.0, gt=0, le=1_000_000)
+    # Quotas per gateway (divided by auth.num_gateways); None: no limit. Over one: 429.
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    # Prompt + generated tokens a minute, generated tokens charged as they are produced.
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+
+
+class AuthConfig(_Strict):
+    """API keys on ``/v1/*`` and the tokenizer routes (``Authorization: Bearer <key>``).
+
+    With ``auth`` in the config every such route needs a listed key (401 ``invalid_api_key``
+    otherwise); without it nothing changes. ``SLUICE_API_KEYS_FILE`` may name a YAML file holding
+    a list of ``api_keys`` entries instead (or besides): it is read at start, on SIGHUP and on
+    ``POST /admin/keys/reload``.
+    """
+
+    api_keys: list[ApiKeyConfig] = []
+    # /metrics, /stats and the dashboard need a key too (any listed key); else they stay open.
+    protect_metrics: bool = False
+    # Gateways sharing the keys behind one balancer: each enforces limit / num_gateways.
+    num_gateways: int = Field(default=1, ge=1, le=10_000)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "AuthConfig":
+        names = [k.name for k in self.api_keys]
+        hashes = [k.key_sha256 for k in self.api_keys]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("api_keys: two entries have the same key_sha256")
+        if len(set(names)) != len(names):
+            raise ValueError(f"api_keys: tenant names must be unique, got {names}")
+        return self
+
+
 class GatewayConfig(_Strict):
     """The whole file: slices, then models whose buckets name those slices."""
 
@@ -451,12 +502,22 @@ class GatewayConfig(_Strict):
     structured_output: StructuredOutputConfig = StructuredOutputConfig()
     # Absent: no Ray (a slice with isolation: ray is then an error).
     ray: RayConfig | None = None
+    # Absent: /v1 is open to every caller (as before); see AuthConfig.
+    auth: AuthConfig | None = None
 
     @model_validator(mode="after")
     def _check_references(self) -> "GatewayConfig":
         self._check_ray()
         if self.min_priority > self.max_priority:
             raise ValueError(f"min_priority: {self.min_priority} is above max_priority {self.max_priority}")
+        for k, key in enumerate(self.auth.api_keys if self.auth else []):
+            for field_name in ("priority", "max_priority"):
+                value = getattr(key, field_name)
+                if value is not None and not self.min_priority <= value <= self.max_priority:
+                    raise ValueError(
+                        f"auth.api_keys.{k}.{field_name}: {value} lies outside [min_priority, max_priority] = "
+                        f"[{self.min_priority}, {self.max_priority}]"
+                    )
         slice_names = [s.name for s in self.slices]
         if len(set(slice_names)) != len(slice_names):
             raise ValueError(f"slices: names must be unique, got {slice_names}")

@@ -52,6 +52,8 @@ def encode_request(request_no: int, request: Request) -> dict[str, Any]:
         "prompt_token_ids": list(request.prompt_token_ids),
         "priority": request.priority,
         "deadline_s": request.deadline_s,
+        "tenant": request.tenant,
+        "tenant_weight": request.tenant_weight,
         "timeline": dict(request.timeline),
         "info": {k: v for k, v in request.info.items() if isinstance(v, (str, int, float))},
     }
@@ -79,6 +81,8 @@ def decode_request(wire: dict[str, Any], sink: Sink) -> Request:
         "sink": sink,
         "priority": wire["priority"],
         "deadline_s": wire["deadline_s"],
+        "tenant": wire["tenant"],
+        "tenant_weight": wire["tenant_weight"],
         "timeline": dict(wire["timeline"]),
         "info": dict(wire["info"]),
     }
