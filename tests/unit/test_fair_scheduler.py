@@ -3,6 +3,8 @@ admission (fake requests, a fake clock, no model)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from buckets.admission import AdmissionControl
@@ -64,6 +66,16 @@ def test_with_fair_share_off_the_newcomer_waits_for_a_seat() -> None:
     for _ in range(5):
         assert b not in step(scheduler).scheduled
     assert scheduler.counters.num_preemptions == 0
+
+
+def test_turning_fair_share_off_live_makes_the_queue_one_group() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    a0, a1 = add(scheduler, "a", 2)
+    (b0,) = add(scheduler, "b", 1)
+    scheduler.fair.charge("a", 100, 1.0)
+    assert scheduler.waiting.peek() is b0
+    scheduler.update_settings(dataclasses.replace(scheduler.settings, fair_share=False))
+    assert scheduler.waiting.peek() is a0 and list(scheduler.waiting) == [a0, a1, b0]
 
 
 def test_three_tenants_with_fractional_shares_settle_without_thrashing() -> None:
