@@ -23,7 +23,7 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    and outputs when it resumes, or, with swap preemption (:mod:`buckets.swap_space`) when the
    policy chooses it, with its KV copied to the host pool first and back when it resumes;
 3. waiting sequences join while blocks and budget allow, reusing prefix-cached blocks (a prompt
-   longer than the prefill budget left runs as a first chunk): first those that computed nothing
+   longer than the prefill budget left runs as a first chunk): first those that sampled nothing
    for over ``max_starvation_s / 2``, preempting running sequences not themselves starved (the
    starvation floor; the only ones to join after a step-2 preemption); then by priority band,
    fair share between tenants, aging (:class:`policies.fair_share.FairQueue`), a tenant under
@@ -516,7 +516,7 @@ class Scheduler:
         block_size = self.block_manager.block_size
         now = self.clock()
         for seq, seq_input in zip(plan.scheduled, plan.forward.sequences):
-            before, seq.progress_s = seq.num_computed_tokens, now
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += len(seq_input.token_ids)
             self.fair.charge(seq.request.tenant, len(seq_input.token_ids), seq.request.tenant_weight)
             self.counters.tokens_served_by_tenant[seq.request.tenant] += len(seq_input.token_ids)
@@ -535,6 +535,7 @@ class Scheduler:
             choices = [(seq, token_id)] + self._fork(seq, output) if seq.forks else [(seq, token_id)]
             for choice, choice_token_id in choices:
                 reason = choice.append_token(choice_token_id, choice.seq_id in output.constraint_done)
+                choice.progress_s = now  # a token for its client: the starvation floor's progress
                 if self.settings.enable_prefix_caching:
                     choice.extend_block_hashes(block_size)
                 new_token_ids[choice.seq_id] = [choice_token_id]

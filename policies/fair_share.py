@@ -15,13 +15,17 @@ earns no credit. VTC alone only orders admission: :func:`fair_share_victim` also
 under its share of ``max_num_seqs`` take a seat from one over its share.
 
 Starvation floor (``max_starvation_s``): the scheduler admits first, before priority order, a
-waiting sequence whose last progress (its arrival, then every step it was scheduled in) is at
+waiting sequence whose last progress (its arrival, then every token it sampled: a chunk that
+recomputes a preempted sequence's KV is no progress to its client, so one preempted again
+mid-recompute stays first in line, and one recomputing is never the floor's victim) is
 more than ``max_starvation_s / 2`` old (:meth:`FairQueue.starved`), preempting a running sequence
 that is not itself starved when seats or blocks lack. Half, because the other half covers the
-step in progress when the threshold passes and the step that admits it: so every admitted
-sequence computes a token at least every ``max_starvation_s`` whatever arrives after it, as long
-as one step takes under ``max_starvation_s / 4`` and at most ``max_num_seqs`` sequences starve
-at once (each is admitted in the first step that plans after it crosses the threshold).
+step in progress when the threshold passes and the step that admits it (each starved sequence is
+admitted in the first step that plans after it crosses the threshold): so every admitted
+sequence samples a token at least every ``max_starvation_s`` whatever arrives after it, as long
+as one step takes under ``max_starvation_s / 4``, at most ``max_num_seqs`` sequences starve at
+once, and a recomputing sequence's context fits one step's prefill budget (else add the steps
+its recompute takes; swap preemption resumes without recomputing).
 """
 
 from __future__ import annotations
@@ -249,7 +253,7 @@ class FairQueue(Generic[T]):
                 del self._bands[entry.priority]
 
     def starved(self, before_s: float) -> T | None:
-        """The item that computed nothing for longest, if its last progress is before
+        """The item without progress for longest, if its last progress is before
         ``before_s``; else ``None``."""
         heap = self._by_progress
         while heap:
