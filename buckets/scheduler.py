@@ -22,14 +22,11 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    waiting queue under its original arrival time (so near the front), to recompute its prompt
    and outputs when it resumes, or, with swap preemption (:mod:`buckets.swap_space`) when the
    policy chooses it, with its KV copied to the host pool first and back when it resumes;
-3. waiting sequences join while blocks and budget allow, reusing prefix-cached blocks (a prompt
-   longer than the prefill budget left runs as a first chunk): first those that sampled nothing
-   for over ``max_starvation_s / 2``, preempting running sequences not themselves starved (the
-   starvation floor; the only ones to join after a step-2 preemption); then by priority band,
-   fair share between tenants, aging (:class:`policies.fair_share.FairQueue`), a tenant under
-   its weighted share of ``max_num_seqs`` taking a seat from one over it
-   (:func:`policies.fair_share.fair_share_victim`). ``postprocess`` charges each tenant its
-   computed tokens (:class:`policies.fair_share.VirtualTokenCounter`).
+3. waiting sequences join while blocks and budget allow, reusing prefix-cached blocks (a long
+   prompt runs as a first chunk): first those that sampled nothing for over ``max_starvation_s /
+   2``, preempting running ones not starved (the only ones to join after a step-2 preemption);
+   then by priority band, fair share between tenants by tokens computed, aging, a tenant under
+   its share of ``max_num_seqs`` taking a seat from one over it (:mod:`policies.fair_share`).
 
 With LoRA slots (``max_loras`` > 0), a sequence with an adapter starts running only when its
 adapter is in one of the runner's slots or can take one (:class:`policies.lora_slots.LoraSlots`),
@@ -353,10 +350,9 @@ class Scheduler:
         return num_preempted
 
     def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget, is_starved_only: bool = False) -> None:
-        """Admit waiting sequences while ``max_num_seqs``, budget and blocks allow: starved ones
-        first, then in the queue's order (``is_starved_only``: starved ones alone, after the
-        running phase preempted), preempting for them (:meth:`_make_room`); a sequence whose
-        LoRA adapter finds no slot is passed over (see the module's docstring)."""
+        """Admit waiting sequences while seats, budget and blocks allow, starved ones first (only
+        them: ``is_starved_only``), preempting for them (:meth:`_make_room`); one whose LoRA
+        adapter finds no slot is passed over (see the module's docstring)."""
         passed_over: list[Sequence] = []
         starved_before_s = self.clock() - self.settings.max_starvation_s / 2
         while self.waiting and budget.has_prefill_room:
@@ -395,11 +391,9 @@ class Scheduler:
     def _make_room(
         self, seq: Sequence, starved_before_s: float | None, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget
     ) -> bool:
-        """Preempt one running sequence for waiting ``seq``, which finds no seat or no blocks:
-        for a starved ``seq`` (``starved_before_s`` set) any running sequence not itself starved,
-        in the usual victim order; else, with ``fair_share``, one of the tenant furthest over its
-        share among those of the same or a less urgent priority
-        (:func:`policies.fair_share.fair_share_victim`). Returns whether one was preempted."""
+        """Preempt one running sequence for ``seq``, which finds no seat or blocks: for a starved
+        ``seq`` (``starved_before_s`` set) one not starved; else, with ``fair_share``, one of the
+        same or a less urgent priority of the tenant :func:`fair_share_victim` names. Whether one was."""
         if starved_before_s is not None:
             candidates = [s for s in self.running if s.progress_s >= starved_before_s]
         elif self.settings.fair_share:
