@@ -25,8 +25,10 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
 3. waiting sequences join while blocks and budget allow, reusing prefix-cached blocks (a long
    prompt runs as a first chunk): first those that sampled nothing for over ``max_starvation_s /
    2``, preempting running ones not starved (the only ones to join after a step-2 preemption);
-   then by priority band, fair share between tenants by tokens computed, aging, a tenant under
-   its share of ``max_num_seqs`` taking a seat from one over it (:mod:`policies.fair_share`).
+   then by priority band, fair share between tenants by tokens computed, aging; one finding no
+   seat or blocks preempts a running sequence (never a starved one) of a less urgent priority,
+   else, of its own priority, one of a tenant over its share of ``max_num_seqs`` when its own
+   tenant is under its share (:mod:`policies.fair_share`).
 
 With LoRA slots (``max_loras`` > 0), a sequence with an adapter starts running only when its
 adapter is in one of the runner's slots or can take one (:class:`policies.lora_slots.LoraSlots`),
@@ -60,7 +62,7 @@ from buckets.settings import ContinuousBatcherSettings
 from buckets.swap_space import Swapper
 from models.step_io import ForwardInput, ForwardOutput, LoraRequest, SequenceInput, TokenLogprobs
 from policies.deadlines import is_expired
-from policies.fair_share import FairQueue, VirtualTokenCounter, fair_share_victim
+from policies.fair_share import FairQueue, VirtualTokenCounter, fair_share_victim, priority_victims
 from policies.lora_slots import LoraSlots
 from policies.preemption import pick_victim
 from policies.priority import priority_key
@@ -359,8 +361,7 @@ class Scheduler:
             starved = self.waiting.starved(starved_before_s)
             if starved is not None and starved.lora is not None and not self._can_take_slot(starved):
                 starved = None  # a slot comes free as the running adapters drain (the passed-over rule)
-            is_full = self._num_seats() >= self.settings.max_num_seqs and not self.settings.fair_share
-            if starved is None and (is_starved_only or is_full):
+            if starved is None and is_starved_only:
                 break
             seq = starved or self.waiting.peek()
             if starved is None and seq.lora is not None and (passed_over or not self._can_take_slot(seq)):
@@ -373,7 +374,7 @@ class Scheduler:
                 num_seats = self._num_seats()
                 if not num_seats or num_seats + 1 + len(seq.forks) <= self.settings.max_num_seqs:  # all its choices, or the whole room
                     admitted = self._admit(seq, budget)
-                if admitted is None and not self._make_room(seq, starved_before_s if starved else None, scheduled, budget):
+                if admitted is None and not self._make_room(seq, starved is not None, starved_before_s, scheduled, budget):
                     break
             if admitted is None:
                 break
@@ -389,21 +390,22 @@ class Scheduler:
         return len(self.running) + sum(len(s.forks) for s in self.running)
 
     def _make_room(
-        self, seq: Sequence, starved_before_s: float | None, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget
+        self, seq: Sequence, is_starved: bool, starved_before_s: float, scheduled: dict[int, tuple[Sequence, int]],
+        budget: _StepBudget,
     ) -> bool:
-        """Preempt one running sequence for ``seq``, which finds no seat or blocks: for a starved
-        ``seq`` (``starved_before_s`` set) one not starved; else, with ``fair_share``, one of the
-        same or a less urgent priority of the tenant :func:`fair_share_victim` names. Whether one was."""
-        if starved_before_s is not None:
-            candidates = [s for s in self.running if s.progress_s >= starved_before_s]
-        elif self.settings.fair_share:
-            eligible = [s for s in self.running if s.request.priority >= seq.request.priority]
+        """Preempt one running sequence for ``seq``, which finds no seat or blocks, never one
+        starved (no progress since ``starved_before_s``): for a starved ``seq``, any other; else
+        one of a less urgent priority (:func:`policies.fair_share.priority_victims`, as vLLM's
+        priority policy preempts), else, with ``fair_share``, one of the same priority of the
+        tenant :func:`fair_share_victim` names. Whether one was."""
+        movable = [s for s in self.running if s.progress_s >= starved_before_s]
+        candidates = movable if is_starved else priority_victims(seq.request.priority, movable)
+        if not candidates and self.settings.fair_share:
+            eligible = [s for s in movable if s.request.priority == seq.request.priority]
             seats = [(s.request.tenant, 1 + len(s.forks)) for s in self.running]
             tenants = sorted({s.request.tenant for s in eligible})
             victim = fair_share_victim(seq.request.tenant, seats, self.fair.weights, self.settings.max_num_seqs, tenants)
             candidates = [s for s in eligible if s.request.tenant == victim]
-        else:
-            candidates = []
         if candidates:
             self._preempt(self._pick_victim(candidates), scheduled, budget)
         return bool(candidates)

@@ -34,7 +34,7 @@ import heapq
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from policies.priority import priority_key
 
@@ -147,6 +147,22 @@ def fair_share_victim(
         return None
     over = [(num_seats.get(u, 0) - share(u), u) for u in candidates if u != tenant and num_seats.get(u, 0) - 1 >= share(u)]
     return max(over)[1] if over else None
+
+
+class _Prioritised(Protocol):
+    @property
+    def request(self) -> Any: ...
+
+
+S = TypeVar("S", bound=_Prioritised)
+
+
+def priority_victims(priority: int, running: list[S]) -> list[S]:
+    """The running sequences a waiting one of ``priority`` may preempt when it finds no seat or
+    blocks: those of a less urgent (higher) priority. Priority comes first (vLLM's ``priority``
+    scheduling policy preempts the same way); the starvation floor bounds what the preempted
+    ones lose, and the scheduler never offers a starved sequence here."""
+    return [s for s in running if s.request.priority > priority]
 
 
 @dataclass(order=True)

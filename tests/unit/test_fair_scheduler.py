@@ -68,6 +68,21 @@ def test_with_fair_share_off_the_newcomer_waits_for_a_seat() -> None:
     assert scheduler.counters.num_preemptions == 0
 
 
+@pytest.mark.parametrize("fair_share", [True, False])
+def test_an_urgent_request_at_a_full_bucket_preempts_a_less_urgent_one_in_the_next_step(fair_share: bool) -> None:
+    scheduler = make_scheduler(max_num_seqs=4, num_blocks=512, fair_share=fair_share)
+    low = add(scheduler, "a", 4, priority=5)
+    step(scheduler)
+    (urgent,) = add(scheduler, "a", 1, priority=0)
+    plan = step(scheduler)
+    assert urgent in plan.scheduled
+    preempted = [s for s in low if s not in scheduler.running]
+    assert preempted == [low[-1]]  # the least urgent, latest arrival
+    (second,) = add(scheduler, "a", 1, priority=0)
+    step(scheduler)
+    assert second in scheduler.running and sum(s in scheduler.running for s in low) == 2
+
+
 def test_turning_fair_share_off_live_makes_the_queue_one_group() -> None:
     scheduler = make_scheduler(max_num_seqs=1)
     a0, a1 = add(scheduler, "a", 2)
