@@ -212,10 +212,24 @@ def test_priority_defaults_to_the_tenants_and_is_bounded_by_its_max() -> None:
     assert (urgent.value.status_code, urgent.value.param, urgent.value.code) == (400, "priority", "priority_not_allowed")
 
 
-def test_serve_on_a_network_host_without_keys_warns_once() -> None:
+def test_serve_on_a_network_host_without_keys_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    import gateway.app
+    import gateway.logging
+    from tests.unit.test_config import write_config
+
+    monkeypatch.setattr(gateway.app, "create_app", lambda config: "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: None)
+    monkeypatch.setattr("models.cpu_memory.keep_freed_memory_in_heap", lambda: None)
+    monkeypatch.delenv("SLUICE_API_KEYS_FILE", raising=False)
+    config_path = str(write_config(tmp_path, make_config_data()))
     with structlog.testing.capture_logs() as logs:
-        assert warn_if_open(_config(), "0.0.0.0", {})
-        assert not warn_if_open(_config(), "127.0.0.1", {}) and not warn_if_open(_config(), "localhost", {})
+        assert main(["serve", "--config", config_path, "--host", "0.0.0.0"]) == 0
+        assert main(["serve", "--config", config_path]) == 0  # 127.0.0.1
+        assert not warn_if_open(_config(), "127.0.0.1", {})
+        assert not warn_if_open(_config(), "localhost", {})
         assert not warn_if_open(_config(_auth()), "0.0.0.0", {})
         assert not warn_if_open(_config(), "::", {"SLUICE_API_KEYS_FILE": "keys.yaml"})
     warnings = [e for e in logs if e["event"] == "api_open_to_network"]
