@@ -110,7 +110,8 @@ def check_entries(entries: Iterable[tuple[str, ApiKeyConfig]], min_priority: int
             if value is not None and not min_priority <= value <= max_priority:
                 raise ConfigError(f"{where}.{field_name}: {value} lies outside [min_priority, max_priority] = "
                                   f"[{min_priority}, {max_priority}]", code="invalid_keys_file")
-        for seen, value, what in ((names, entry.name, f"the tenant name {entry.name!r}"), (hashes, entry.key_sha256, "a key_sha256")):
+        unique = ((names, entry.name, f"the tenant name {entry.name!r}"), (hashes, entry.key_sha256, "a key_sha256"))
+        for seen, value, what in unique:
             if value in seen:
                 raise ConfigError(f"{where}: {what} is also at {seen[value]}; each must be unique", code="invalid_keys_file")
             seen[value] = where
