@@ -1,5 +1,6 @@
 """The ``sluice`` command: ``sluice serve``, ``sluice prepare``, ``sluice bench engine``,
-``sluice bench load|tune|batching|output|logprobs|peers|token-path|loading|lora``, ``sluice gate`` and ``sluice kv-plan``."""
+``sluice bench load|tune|batching|output|logprobs|peers|token-path|loading|lora``, ``sluice gate``,
+``sluice kv-plan`` and ``sluice keys add|hash``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.auth import warn_if_open
     from gateway.errors import ConfigError
     from gateway.logging import configure_logging
 
@@ -51,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
+    warn_if_open(config, args.host)
     from models.cpu_memory import keep_freed_memory_in_heap
 
     keep_freed_memory_in_heap()
@@ -252,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv_plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
     kv_plan.set_defaults(func=_kv_plan)
+    from gateway import key_command
+
+    key_command.add_arguments(commands.add_parser("keys", help="make API keys (printed once) and their config entries"))
     return parser
 
 
