@@ -94,11 +94,14 @@ class FairnessResult:
 
 
 async def _window(loads: list[TenantLoad], warmup_s: float, window_s: float) -> list[TenantFigures]:
+    """Each load's figures over ``window_s`` after ``warmup_s``; TTFTs of every request started
+    since the loads did (warm-up included: without the policy the first requests wait out the window)."""
+    phase_s = time.monotonic()
     await asyncio.sleep(warmup_s)
     start_s = time.monotonic()
     await asyncio.sleep(window_s)
     end_s = time.monotonic()
-    return [TenantFigures.of(load, start_s, end_s) for load in loads]
+    return [TenantFigures.of(load, start_s, end_s, ttft_from_s=phase_s) for load in loads]
 
 
 async def fairness_run(

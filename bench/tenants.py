@@ -167,9 +167,12 @@ class TenantFigures:
     longest_stall_s: float
 
     @classmethod
-    def of(cls, load: TenantLoad, start_s: float, end_s: float) -> TenantFigures:
+    def of(cls, load: TenantLoad, start_s: float, end_s: float, ttft_from_s: float | None = None) -> TenantFigures:
+        """Figures of ``load`` over ``[start_s, end_s)``; TTFTs of the requests started from
+        ``ttft_from_s`` (default ``start_s``: a queue's first requests may start before the
+        window and wait through it)."""
         tokens = load.tokens_between(start_s, end_s)
-        ttfts = load.ttfts_s(start_s, end_s)
+        ttfts = load.ttfts_s(start_s if ttft_from_s is None else ttft_from_s, end_s)
         return cls(
             load.tenant, tokens, tokens / (end_s - start_s),
             percentile(ttfts, 50) if ttfts else None, percentile(ttfts, 99) if ttfts else None,
