@@ -123,7 +123,8 @@ def _held_stream(url: str, name: str) -> Iterator[httpx.Response]:
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=_auth(name), timeout=TIMEOUT_S) as stream:
         assert stream.status_code == 200
-        next(stream.iter_lines())
+        lines = stream.iter_lines()  # kept: dropping it closes the response (a hang-up)
+        next(lines)
         yield stream
 
 
