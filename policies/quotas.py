@@ -7,7 +7,7 @@ in any 60-s span, which is what ``requests_per_minute`` says to the person who s
 ``remaining``/``reset`` values are OpenAI's (``reset``: until the window holds nothing again).
 
 Memory is bounded per tenant: charges within :data:`SLOT_S` of a log entry's first charge join
-that entry, so a log holds at most ``window_s / slot_s + 1`` entries whatever the rates. An entry
+that entry, so a log holds at most ``window_s / slot_s + 2`` entries whatever the rates. An entry
 expires :data:`WINDOW_S` after its *last* charge, so a charge may be counted up to ``slot_s`` too
 long, never too short: the limit holds exactly, the waits it answers are up to ``slot_s`` long.
 
@@ -41,7 +41,7 @@ class _Entry:
 
 
 class SlidingWindowLog:
-    """Amounts charged over the last ``window_s`` seconds, in at most ``window_s / slot_s + 1`` entries.
+    """Amounts charged over the last ``window_s`` seconds, in at most ``window_s / slot_s + 2`` entries.
 
     Args:
         window_s: the window's length in seconds.
@@ -88,7 +88,7 @@ class SlidingWindowLog:
         return self._entries[-1].last_s + self._window_s - now_s if self._entries else 0.0
 
     def __len__(self) -> int:
-        """Entries held (at most ``window_s / slot_s + 1``)."""
+        """Entries held (at most ``window_s / slot_s + 2``)."""
         return len(self._entries)
 
     def _expire(self, now_s: float) -> None:
