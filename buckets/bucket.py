@@ -39,6 +39,7 @@ class Bucket:
     max_queue_len: int = 1024
     max_queued_tokens: int | None = None
     layout_no: int = 0  # which bucket layout of its model it belongs to (a reconfiguration adds one)
+    fair_share: bool = False  # a full queue refuses the tenant over its weighted share first
     predecessor: Bucket | None = field(default=None, repr=False)
     admission: AdmissionControl = field(init=False, repr=False)
     _final_stats: BucketStats | None = field(default=None, init=False, repr=False)
@@ -46,7 +47,7 @@ class Bucket:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.admission = AdmissionControl(self.max_queue_len, self.max_queued_tokens)
+        self.admission = AdmissionControl(self.max_queue_len, self.max_queued_tokens, fair_share=self.fair_share)
 
     @property
     def key(self) -> BucketKey:
@@ -68,9 +69,11 @@ class Bucket:
         stats = self.device_slice.stats(self.key)
         return not (stats.num_waiting or stats.num_running or self.admission.num_queued)
 
-    def set_queue_limits(self, max_queue_len: int, max_queued_tokens: int | None) -> None:
-        """New admission limits, for the next request on (requests already queued stay)."""
-        self.admission.set_limits(max_queue_len, max_queued_tokens)
+    def set_queue_limits(self, max_queue_len: int, max_queued_tokens: int | None, fair_share: bool | None = None) -> None:
+        """New admission limits (and fair share, ``None``: unchanged), for the next request on
+        (requests already queued stay)."""
+        self.admission.set_limits(max_queue_len, max_queued_tokens, fair_share)
+        self.fair_share = self.fair_share if fair_share is None else fair_share
         self.max_queue_len, self.max_queued_tokens = max_queue_len, max_queued_tokens
 
     def update_settings(self, settings: BatcherSettings) -> None:
@@ -99,7 +102,9 @@ class Bucket:
         with self._lock:  # a close() either sees this ticket counted or this submit sees it closed
             if self.closed:
                 raise BucketClosedError(f"bucket {self.name!r} of {self.model_name!r} was replaced")
-            ticket = self.admission.admit(request.num_prompt_tokens, timeout_s, request.num_seqs)
+            ticket = self.admission.admit(
+                request.num_prompt_tokens, timeout_s, request.num_seqs, request.tenant, request.tenant_weight
+            )
         request.info["bucket"] = self.name
         request.on_dequeue = ticket.release
         try:

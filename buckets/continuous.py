@@ -202,6 +202,7 @@ class ContinuousBatcher:
             num_chunked_prefills=self.scheduler.counters.num_chunked_prefills,
             max_step_loras=self.scheduler.counters.max_step_loras,
             num_lora_loads=self.scheduler.counters.num_lora_loads,
+            tokens_served_by_tenant=dict(self.scheduler.counters.tokens_served_by_tenant),
             step_detokenize_s=self.output.detokenize_s,
             **step_time_stats(self.step_budget, self.scheduler.max_prefill_tokens),
         )

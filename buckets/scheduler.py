@@ -22,9 +22,13 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    waiting queue under its original arrival time (so near the front), to recompute its prompt
    and outputs when it resumes, or, with swap preemption (:mod:`buckets.swap_space`) when the
    policy chooses it, with its KV copied to the host pool first and back when it resumes;
-3. if nothing was preempted, waiting sequences join in order of effective priority with aging
-   (:class:`policies.priority.AgingPriorityQueue`) while blocks and budget allow, reusing
-   prefix-cached blocks; a prompt longer than the (prefill) budget left runs as a first chunk.
+3. waiting sequences join while blocks and budget allow, reusing prefix-cached blocks (a long
+   prompt runs as a first chunk): first those that sampled nothing for over ``max_starvation_s /
+   2``, preempting running ones not starved (the only ones to join after a step-2 preemption);
+   then by priority band, fair share between tenants by tokens computed, aging; one finding no
+   seat or blocks preempts a running sequence (never a starved one) of a less urgent priority,
+   else, of its own priority, one of a tenant over its share of ``max_num_seqs`` when its own
+   tenant is under its share (:mod:`policies.fair_share`).
 
 With LoRA slots (``max_loras`` > 0), a sequence with an adapter starts running only when its
 adapter is in one of the runner's slots or can take one (:class:`policies.lora_slots.LoraSlots`),
@@ -46,6 +50,7 @@ recomputes its prompt (prefix-cached blocks included) when it resumes.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -57,9 +62,10 @@ from buckets.settings import ContinuousBatcherSettings
 from buckets.swap_space import Swapper
 from models.step_io import ForwardInput, ForwardOutput, LoraRequest, SequenceInput, TokenLogprobs
 from policies.deadlines import is_expired
+from policies.fair_share import FairQueue, VirtualTokenCounter, fair_share_victim, priority_victims
 from policies.lora_slots import LoraSlots
 from policies.preemption import pick_victim
-from policies.priority import AgingPriorityQueue, priority_key
+from policies.priority import priority_key
 from policies.step_time import PrefillRoom, attended_pairs
 
 # Waiting sequences one plan may pass over for want of a LoRA slot before it stops looking.
@@ -165,7 +171,7 @@ class _StepBudget:
 class SchedulerCounters:
     """Totals since start: preemptions (by recompute or swap), victims swapped out and swapped
     back in, prefill chunks that left part of a prompt for later, the most distinct LoRA adapters
-    in one step, and adapters copied into a runner slot."""
+    in one step, adapters copied into a runner slot, and tokens computed by tenant."""
 
     num_preemptions: int = 0
     num_swap_outs: int = 0
@@ -173,6 +179,7 @@ class SchedulerCounters:
     num_chunked_prefills: int = 0
     max_step_loras: int = 0
     num_lora_loads: int = 0
+    tokens_served_by_tenant: Counter[str] = field(default_factory=Counter)
 
 
 class Scheduler:
@@ -202,7 +209,8 @@ class Scheduler:
         self.clock = clock
         self.prefill_budget = prefill_budget
         self.max_prefill_tokens = settings.max_num_batched_tokens  # the last plan's prefill budget
-        self.waiting: AgingPriorityQueue[Sequence] = AgingPriorityQueue(settings.priority_aging_s)
+        self.fair = VirtualTokenCounter()  # the tenants' weighted tokens served (policies.fair_share)
+        self.waiting = FairQueue[Sequence](settings.priority_aging_s, self.fair if settings.fair_share else None)
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id
         self.counters = SchedulerCounters()
@@ -214,18 +222,18 @@ class Scheduler:
         self._swapped_out: list[Sequence] = []  # for the next plan
 
     def update_settings(self, settings: ContinuousBatcherSettings) -> None:
-        """New budgets (and aging) from now on; the waiting queue is re-keyed when the aging changes.
+        """New budgets (and aging) from now on; the waiting queue is re-keyed when the aging or
+        ``fair_share`` changes.
 
         Raises:
             ValueError: ``max_loras`` changes (the runner's slots are sized when it is built).
         """
         if settings.max_loras != self.settings.max_loras:
             raise ValueError(f"max_loras is fixed when the bucket is built ({self.settings.max_loras}); rebuild it to change it")
-        if settings.priority_aging_s != self.settings.priority_aging_s:
-            waiting = AgingPriorityQueue[Sequence](settings.priority_aging_s)
-            for seq in self.waiting:
-                waiting.push(seq, seq.request.priority, seq.arrival_s)
-            self.waiting = waiting
+        if (settings.priority_aging_s, settings.fair_share) != (self.settings.priority_aging_s, self.settings.fair_share):
+            queued, self.waiting = list(self.waiting), FairQueue(settings.priority_aging_s, self.fair if settings.fair_share else None)
+            for seq in queued:
+                self._enqueue(seq)
         self.settings = settings
 
     @property
@@ -258,9 +266,10 @@ class Scheduler:
         self._live[seq.seq_id] = seq
         if self.settings.enable_prefix_caching:
             seq.extend_block_hashes(self.block_manager.block_size)
-        seq.arrival_s = seq.request.timeline.get("enqueued", self.clock())
-        for child in seq.spawn_forks():
+        seq.arrival_s = seq.progress_s = seq.request.timeline.get("enqueued", self.clock())
+        for child in (seq, *seq.spawn_forks()):
             self._live[child.seq_id] = child
+            self.fair.activate(seq.request.tenant, seq.request.tenant_weight)
         self._enqueue(seq)
 
     def drop_ended(self, now: float) -> StepResult:
@@ -284,8 +293,7 @@ class Scheduler:
         self.max_prefill_tokens = budget.prefill.tokens_for(0, budget.num_tokens)
         scheduled: dict[int, tuple[Sequence, int]] = {}
         num_preempted = self._schedule_running(scheduled, budget)
-        if not num_preempted:
-            self._schedule_waiting(scheduled, budget)
+        self._schedule_waiting(scheduled, budget, is_starved_only=num_preempted > 0)
         seqs = [seq for seq, _ in scheduled.values()]
         inputs = [self._input_of(seq, n) for seq, n in scheduled.values()]
         num_decode_tokens = sum(1 for seq, _ in scheduled.values() if not self._is_prefill(seq))
@@ -332,10 +340,8 @@ class Scheduler:
             if num_tokens == 0:
                 break
             while not self.block_manager.can_append(seq.seq_id, seq.num_computed_tokens + num_tokens):
-                victim = self._pick_victim()
-                if victim.seq_id in scheduled:
-                    budget.take(victim.num_computed_tokens, -scheduled.pop(victim.seq_id)[1], self._is_prefill(victim))
-                self._preempt(victim)
+                victim = self._pick_victim(self.running)
+                self._preempt(victim, scheduled, budget)
                 num_preempted += 1
                 if victim is seq:
                     break
@@ -345,34 +351,64 @@ class Scheduler:
                 budget.take(seq.num_computed_tokens, num_tokens, is_prefill)
         return num_preempted
 
-    def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget) -> None:
-        """Admit waiting sequences in order while ``max_num_seqs``, budget and blocks allow (a
-        sequence whose LoRA adapter finds no slot is passed over: see the module's docstring)."""
-        if not self.waiting:
-            return
-        # Seats taken: running sequences and the pending forks of those still prefilling.
-        num_seats = len(self.running) + sum(len(s.forks) for s in self.running)
+    def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget, is_starved_only: bool = False) -> None:
+        """Admit waiting sequences while seats, budget and blocks allow, starved ones first (only
+        them: ``is_starved_only``), preempting for them (:meth:`_make_room`); one whose LoRA
+        adapter finds no slot is passed over (see the module's docstring)."""
         passed_over: list[Sequence] = []
-        while self.waiting and budget.has_prefill_room and num_seats < self.settings.max_num_seqs:
-            seq = self.waiting.peek()
-            if seq.lora is not None and (passed_over or not self._can_take_slot(seq)):
+        starved_before_s = self.clock() - self.settings.max_starvation_s / 2
+        while self.waiting and budget.has_prefill_room:
+            starved = self.waiting.starved(starved_before_s)
+            if starved is not None and starved.lora is not None and not self._can_take_slot(starved):
+                starved = None  # a slot comes free as the running adapters drain (the passed-over rule)
+            if starved is None and is_starved_only:
+                break
+            seq = starved or self.waiting.peek()
+            if starved is None and seq.lora is not None and (passed_over or not self._can_take_slot(seq)):
                 passed_over.append(self.waiting.pop())
                 if len(passed_over) >= MAX_PASSED_OVER:
                     break
                 continue
-            if num_seats and num_seats + 1 + len(seq.forks) > self.settings.max_num_seqs:
-                break  # room for every choice of the request, or the whole room
-            admitted = self._admit(seq, budget)
+            admitted = None
+            while admitted is None:
+                num_seats = self._num_seats()
+                if not num_seats or num_seats + 1 + len(seq.forks) <= self.settings.max_num_seqs:  # all its choices, or the whole room
+                    admitted = self._admit(seq, budget)
+                if admitted is None and not self._make_room(seq, starved is not None, starved_before_s, scheduled, budget):
+                    break
             if admitted is None:
                 break
-            num_tokens, is_prefill = admitted
-            self.waiting.pop()
+            self.waiting.remove(seq)
             self._start_running(seq)
-            num_seats += 1 + len(seq.forks)
-            scheduled[seq.seq_id] = (seq, num_tokens)
-            budget.take(seq.num_computed_tokens, num_tokens, is_prefill)
+            scheduled[seq.seq_id] = (seq, admitted[0])
+            budget.take(seq.num_computed_tokens, admitted[0], admitted[1])
         for seq in passed_over:
             self._enqueue(seq)
+
+    def _num_seats(self) -> int:
+        """Seats taken: running sequences and the pending forks of those still prefilling."""
+        return len(self.running) + sum(len(s.forks) for s in self.running)
+
+    def _make_room(
+        self, seq: Sequence, is_starved: bool, starved_before_s: float, scheduled: dict[int, tuple[Sequence, int]],
+        budget: _StepBudget,
+    ) -> bool:
+        """Preempt one running sequence for ``seq``, which finds no seat or blocks, never one
+        starved (no progress since ``starved_before_s``): for a starved ``seq``, any other; else
+        one of a less urgent priority (:func:`policies.fair_share.priority_victims`, as vLLM's
+        priority policy preempts), else, with ``fair_share``, one of the same priority of the
+        tenant :func:`fair_share_victim` names. Whether one was."""
+        movable = [s for s in self.running if s.progress_s >= starved_before_s]
+        candidates = movable if is_starved else priority_victims(seq.request.priority, movable)
+        if not candidates and self.settings.fair_share:
+            eligible = [s for s in movable if s.request.priority == seq.request.priority]
+            seats = [(s.request.tenant, 1 + len(s.forks)) for s in self.running]
+            tenants = sorted({s.request.tenant for s in eligible})
+            victim = fair_share_victim(seq.request.tenant, seats, self.fair.weights, self.settings.max_num_seqs, tenants)
+            candidates = [s for s in eligible if s.request.tenant == victim]
+        if candidates:
+            self._preempt(self._pick_victim(candidates), scheduled, budget)
+        return bool(candidates)
 
     def _admit(self, seq: Sequence, budget: _StepBudget) -> tuple[int, bool] | None:
         """Blocks for waiting ``seq``'s tokens this step: a swapped-out sequence's copied back in,
@@ -430,10 +466,10 @@ class Scheduler:
         if seq.lora is not None and self.lora_slots is not None:
             self.lora_slots.release(seq.lora.adapter_id)
 
-    def _pick_victim(self) -> Sequence:
+    def _pick_victim(self, running: list[Sequence]) -> Sequence:
         aging_s = self.settings.priority_aging_s
-        candidates = [(priority_key(s.request.priority, s.arrival_s, aging_s), s.seq_id) for s in self.running]
-        return self.running[pick_victim(candidates)]
+        candidates = [(priority_key(s.request.priority, s.arrival_s, aging_s), s.seq_id) for s in running]
+        return running[pick_victim(candidates)]
 
     def best_effective_priority(self, now: float) -> float | None:
         """The most urgent effective priority among waiting and running sequences at ``now``."""
@@ -445,11 +481,14 @@ class Scheduler:
         return min(keys) - now / aging_s if keys else None
 
     def _enqueue(self, seq: Sequence) -> None:
-        self.waiting.push(seq, seq.request.priority, seq.arrival_s)
+        self.waiting.push(seq, seq.request.priority, seq.arrival_s, seq.request.tenant, seq.progress_s)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget) -> None:
         """Free ``seq``'s blocks and put it at the front of the waiting queue: swapped out when
-        the swapper takes it (its KV copied to the host pool), else to recompute later."""
+        the swapper takes it (its KV copied to the host pool), else to recompute later; tokens it
+        was ``scheduled`` for this step go back to ``budget``."""
+        if seq.seq_id in scheduled:
+            budget.take(seq.num_computed_tokens, -scheduled.pop(seq.seq_id)[1], self._is_prefill(seq))
         is_swapped = self.swapper is not None and self.swapper.swap_out(seq)
         self._stop_running(seq)
         if is_swapped:
@@ -471,9 +510,12 @@ class Scheduler:
         new_token_ids: dict[int, list[int]] = {}
         finished: dict[int, FinishReason] = {}
         block_size = self.block_manager.block_size
+        now = self.clock()
         for seq, seq_input in zip(plan.scheduled, plan.forward.sequences):
             before = seq.num_computed_tokens
             seq.num_computed_tokens += len(seq_input.token_ids)
+            self.fair.charge(seq.request.tenant, len(seq_input.token_ids), seq.request.tenant_weight)
+            self.counters.tokens_served_by_tenant[seq.request.tenant] += len(seq_input.token_ids)
             if self._filled_a_block(before, seq.num_computed_tokens):
                 self.block_manager.commit(seq.seq_id, seq.block_hashes, seq.num_computed_tokens)
             token_id = output.sampled_token_ids.get(seq.seq_id)
@@ -489,6 +531,7 @@ class Scheduler:
             choices = [(seq, token_id)] + self._fork(seq, output) if seq.forks else [(seq, token_id)]
             for choice, choice_token_id in choices:
                 reason = choice.append_token(choice_token_id, choice.seq_id in output.constraint_done)
+                choice.progress_s = now  # a token for its client: the starvation floor's progress
                 if self.settings.enable_prefix_caching:
                     choice.extend_block_hashes(block_size)
                 new_token_ids[choice.seq_id] = [choice_token_id]
@@ -576,6 +619,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
+        self.fair.deactivate(seq.request.tenant)
 
     def _input_of(self, seq: Sequence, num_tokens: int) -> SequenceInput:
         token_ids = seq.next_input_token_ids(num_tokens)

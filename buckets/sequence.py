@@ -71,6 +71,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.arrival_s = 0.0  # when it joined its bucket's queue (seconds, the scheduler's clock)
+        self.progress_s = 0.0  # when it last sampled a token (its arrival before that): the starvation floor's
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None  # set by the scheduler when it ends
         # Chained prefix-cache keys of its full blocks of known tokens (see :meth:`extend_block_hashes`).
@@ -95,6 +96,7 @@ class Sequence:
         self.num_computed_tokens = parent.num_computed_tokens
         self.block_hashes = list(parent.block_hashes)
         self.arrival_s = parent.arrival_s
+        self.progress_s = parent.progress_s
         self.parent = None
 
     @property

@@ -9,11 +9,16 @@ from typing import Literal
 @dataclass(frozen=True)
 class DynamicBatcherSettings:
     """A batch leaves when it holds ``max_batch_size`` requests or its oldest request has
-    waited ``max_queue_delay_ms`` milliseconds (Triton's dynamic batcher vocabulary)."""
+    waited ``max_queue_delay_ms`` milliseconds (Triton's dynamic batcher vocabulary). Batches
+    are formed by priority band, then (``fair_share``) the tenant with the fewest prompt tokens
+    served per weight, then aging (:class:`policies.fair_share.FairQueue`). ``max_starvation_s``
+    is kept for the config's symmetry: a dynamic batch never preempts, and aging bounds the wait."""
 
     max_batch_size: int
     max_queue_delay_ms: float
     priority_aging_s: float = 10.0
+    fair_share: bool = True
+    max_starvation_s: float = 10.0
 
     @property
     def max_queue_delay_s(self) -> float:
@@ -26,7 +31,10 @@ class ContinuousBatcherSettings:
     running sequences and ``max_num_batched_tokens`` tokens (prefill + decode) in one forward;
     KV in blocks of ``block_size`` tokens, full blocks shared between prompts with a common
     prefix when ``enable_prefix_caching``. Waiting requests are served by effective priority,
-    ``priority - waited_s / priority_aging_s`` (see :mod:`policies.priority`).
+    ``priority - waited_s / priority_aging_s`` (see :mod:`policies.priority`); with
+    ``fair_share``, competing tenants of a priority share the bucket by tokens served in
+    proportion to their weights, and every admitted sequence computes a token at least every
+    ``max_starvation_s`` seconds (:mod:`policies.fair_share`).
 
     ``chunked_prefill``: ``stall_free`` gives a step with decodes running only the prefill tokens
     that keep it within ``tpot_target_ms`` (``None``: three times the measured decode-only step), from
@@ -54,6 +62,8 @@ class ContinuousBatcherSettings:
     max_loras: int = 0
     preemption: Literal["recompute", "swap", "auto"] = "recompute"
     swap_space_bytes: int = 0
+    fair_share: bool = True
+    max_starvation_s: float = 10.0
 
     @property
     def tpot_target_s(self) -> float | None:

@@ -48,6 +48,11 @@ class BucketStats:
     ``step_postprocess_s`` (the scheduler's books after the forward) and ``step_output_s`` (text
     and events, of which ``step_detokenize_s`` detokenizing): where a token's time goes outside
     the forward (``sluice bench token-path``).
+
+    ``tokens_served_by_tenant``: tokens computed (prefill chunks and decodes; prompt tokens of
+    dynamic batches) by tenant, cumulative: each tenant's service in the bucket's fair share
+    (:mod:`policies.fair_share`). Its keys are the tenants seen, which the gateway bounds to
+    the configured ones and ``anonymous``.
     """
 
     kind: str
@@ -91,6 +96,7 @@ class BucketStats:
     step_time_samples: int = 0
     step_target_ms: float = 0.0
     max_prefill_tokens: int = 0
+    tokens_served_by_tenant: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_batch_seqs(self) -> float:
@@ -128,18 +134,32 @@ PER_BUILD_FIELDS = frozenset({
 }) | STEP_TIME_FIELDS
 # Cumulative fields that keep the largest value of the builds rather than their sum.
 MAX_FIELDS = frozenset({"max_batch_seqs", "max_step_loras"})
+# Cumulative fields counted by key (summed key by key).
+BY_KEY_FIELDS = frozenset({"tokens_served_by_tenant"})
+
+
+def add_by_key(counts: list[dict[str, int]]) -> dict[str, int]:
+    """The key-by-key sum of ``counts`` (a :data:`BY_KEY_FIELDS` field over builds or replicas)."""
+    total: dict[str, int] = {}
+    for count in counts:
+        for key, value in count.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def carry_over(previous: BucketStats, current: BucketStats) -> BucketStats:
     """``current`` (a rebuilt bucket's own snapshot) with the cumulative counters of ``previous``
     (those of the builds it replaced) added in: summed, ``max_batch_seqs`` the larger of the two;
-    :data:`PER_BUILD_FIELDS` are ``current``'s."""
-    changes = {}
+    :data:`PER_BUILD_FIELDS` are ``current``'s; :data:`BY_KEY_FIELDS` summed key by key."""
+    changes: dict[str, Any] = {}
     for stat in fields(BucketStats):
         if stat.name in PER_BUILD_FIELDS:
             continue
         before, now = getattr(previous, stat.name), getattr(current, stat.name)
-        changes[stat.name] = max(before, now) if stat.name in MAX_FIELDS else before + now
+        if stat.name in BY_KEY_FIELDS:
+            changes[stat.name] = add_by_key([before, now])
+        else:
+            changes[stat.name] = max(before, now) if stat.name in MAX_FIELDS else before + now
     return replace(current, **changes)
 
 

@@ -1,6 +1,7 @@
 """One ``http_request`` log event for every HTTP request (4xx and unknown paths included), with
-its status, model, path, route (the matched path template; ``None`` for an unknown path) and
-durations, and its outcome; and a hook for the metrics of the requests no bucket counts.
+its status, model, tenant (:func:`gateway.tenants.tenant_of`: ``anonymous`` without a key), path,
+route (the matched path template; ``None`` for an unknown path) and durations, and its outcome;
+and a hook for the metrics of the requests no bucket counts.
 
 The outcome is the one the request's route derived from its last event (:func:`note_outcome`,
 called where the request is logged), else the status's (:func:`gateway.outcome.outcome_of_status`:
@@ -21,6 +22,7 @@ from typing import Any
 import structlog
 
 from gateway.outcome import Outcome, outcome_of_status
+from gateway.tenants import tenant_of
 
 # The scope key under which a request's access-log fields are gathered.
 SCOPE_KEY = "sluice.access"
@@ -108,7 +110,7 @@ class AccessLog:
             answered_s = times_s.get("answered")
             log.info(
                 "http_request", method=scope.get("method"), path=scope.get("path"), route=scope.get("path_template"),
-                status=status, model=model, duration_ms=_ms(time.monotonic() - started_s),
+                status=status, model=model, tenant=tenant_of(scope).name, duration_ms=_ms(time.monotonic() - started_s),
                 answer_ms=None if answered_s is None else _ms(answered_s - times_s["received"]),
                 outcome=noted or outcome_of_status(status).value, **fields,
             )

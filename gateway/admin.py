@@ -378,6 +378,8 @@ class BucketPatch(BaseModel):
     chunked_prefill: Literal["stall_free", "fixed"] | None = None
     tpot_target_ms: float | None = Field(default=None, gt=0, le=60_000)  # null: back to the default target
     priority_aging_s: float | None = Field(default=None, gt=0)
+    fair_share: bool | None = None
+    max_starvation_s: float | None = Field(default=None, gt=0)
     max_queue_len: int | None = Field(default=None, ge=1)
     max_queued_tokens: int | None = Field(default=None, ge=1)
 

@@ -22,6 +22,7 @@ from buckets.bucket import Bucket
 from gateway.access_log import AccessLog
 from gateway.adapter_routes import AdapterController, VllmAdapterController
 from gateway.adapters import Adapters, base_hf_config, check_adapter_folders
+from gateway.auth import ApiKeys, KeyRing
 from gateway.admin import AdminController, is_admin_path, unmatched_admin_error
 from gateway.background_gates import BackgroundGates, gate_states
 from gateway.config import GatewayConfig
@@ -29,6 +30,7 @@ from gateway.dashboard import DashboardController
 from gateway.engine import Engine
 from gateway.errors import APIError, ConfigError, is_domain_error, to_api_error
 from gateway.http_edge import BodyDecoding, RequestIds
+from gateway.key_routes import KeysController, reloading_on_sighup
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
 from gateway.quotas import QuotaBook
@@ -101,13 +103,15 @@ def create_app(config: GatewayConfig) -> Litestar:
     """Build the gateway app for ``config``. Models load in the lifespan, before serving starts.
 
     Raises:
-        ConfigError: a configured LoRA adapter folder or ``adapters_dir`` missing; the engine's.
+        ConfigError: a configured LoRA adapter folder or ``adapters_dir`` missing; a bad API keys
+            file (:class:`gateway.auth.KeyRing`); the engine's.
     """
     check_adapter_folders(config)
+    keys = KeyRing.from_config(config)
     engine = Engine(config, worker_main=run_slice_worker, defer_gates=True)
     gates = BackgroundGates(engine)
     engine.bucket_hooks.append(gates.on_bucket)
-    metrics = Metrics(engine)
+    metrics = Metrics(engine, frozenset if keys is None else keys.tenant_names)
     residency = Residency(engine, metrics)
     adapters = Adapters(lambda: engine.config.models, lambda model: base_hf_config(model, engine.cache_dir))
     metrics.watch_residency(residency)
@@ -136,7 +140,8 @@ def create_app(config: GatewayConfig) -> Litestar:
         log.info("gateway_ready", models=sorted(engine.models))
         gates.start(asyncio.get_running_loop(), app.state.config_lock)  # pending gates, one at a time
         try:
-            yield
+            with reloading_on_sighup(keys):
+                yield
         finally:
             tuning.cancel()
             await residency.stop()
@@ -146,11 +151,11 @@ def create_app(config: GatewayConfig) -> Litestar:
     app = Litestar(
         route_handlers=[
             OpenAIController, TokenizeController, AdminController, AdapterController, VllmAdapterController,
-            DashboardController, health, stats, metrics_endpoint,
+            KeysController, DashboardController, health, stats, metrics_endpoint,
         ],
         lifespan=[lifespan],
         state=State({"engine": engine, "router": Router(engine), "metrics": metrics, "residency": residency,
-                     "adapters": adapters,
+                     "adapters": adapters, "api_keys": keys,
                      "quotas": QuotaBook(metrics.observe_rate_limited)}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=int(config.max_request_body_bytes),
@@ -160,7 +165,8 @@ def create_app(config: GatewayConfig) -> Litestar:
         logging_config=None,
     )
     # Around the whole handler, not as route middlewares: unknown paths (404) are logged, and
-    # carry a request id, too.
+    # carry a request id, too. API keys are checked before a compressed body is inflated.
     decoding = BodyDecoding(app.asgi_handler, int(config.max_request_body_bytes))
-    app.asgi_handler = AccessLog(RequestIds(decoding), metrics.observe_http)
+    inner = decoding if keys is None else ApiKeys(decoding, keys)
+    app.asgi_handler = AccessLog(RequestIds(inner), metrics.observe_http)
     return app

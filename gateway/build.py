@@ -128,12 +128,14 @@ def continuous_settings(config: ContinuousBatcherConfig, max_loras: int = 0) -> 
     return ContinuousBatcherSettings(
         config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.enable_prefix_caching,
         config.priority_aging_s, config.chunked_prefill, config.tpot_target_ms, max_loras, config.preemption,
-        int(config.swap_space_bytes),
+        int(config.swap_space_bytes), config.fair_share, config.max_starvation_s,
     )
 
 
 def dynamic_settings(config: DynamicBatcherConfig) -> DynamicBatcherSettings:
-    return DynamicBatcherSettings(config.max_batch_size, config.max_queue_delay_ms, config.priority_aging_s)
+    return DynamicBatcherSettings(
+        config.max_batch_size, config.max_queue_delay_ms, config.priority_aging_s, config.fair_share, config.max_starvation_s
+    )
 
 
 def batcher_settings(config: BucketConfig, max_loras: int = 0) -> BatcherSettings:
@@ -182,6 +184,7 @@ class BucketBuilder:
         bucket = Bucket(
             config.bucket_name, model.name, config.max_input_tokens, device_slice, config.batcher.kind, kv_capacity_tokens,
             max_queue_len=config.max_queue_len, max_queued_tokens=config.max_queued_tokens, layout_no=layout_no,
+            fair_share=config.batcher.fair_share,
         )
         device_slice.attach(bucket.key, BucketSpec(config.batcher.kind, settings, make_batcher, info))
         return bucket

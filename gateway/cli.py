@@ -1,5 +1,6 @@
 """The ``sluice`` command: ``sluice serve``, ``sluice prepare``, ``sluice bench engine``,
-``sluice bench load|tune|batching|output|logprobs|peers|token-path|loading|lora``, ``sluice gate`` and ``sluice kv-plan``."""
+``sluice bench load|tune|batching|output|logprobs|peers|token-path|loading|lora``, ``sluice gate``,
+``sluice kv-plan`` and ``sluice keys add|hash``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ BENCH_COMMANDS = (
     ("peers", "bench.peers", "Sluice, llama-server, vLLM CPU and transformers serve on one workload, side by side"),
     ("token-path", "bench.token_path", "where a served token's time goes (step phases, event loop) against the bare decode step"),
     ("loading", "bench.model_loading", "models loaded on demand: cold load, eviction, what loads cost a model serving, RSS"),
+    ("fairness", "bench.fairness", "tenants sharing a bucket with and without fair share; low-priority streams under urgent load"),
     ("lora", "bench.lora", "decode throughput with 0, 1, 4 and 8 LoRA adapters in the batch; a cold adapter's first TTFT"),
 )
 
@@ -40,6 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.auth import warn_if_open
     from gateway.errors import ConfigError
     from gateway.logging import configure_logging
 
@@ -50,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
+    warn_if_open(config, args.host)
     from models.cpu_memory import keep_freed_memory_in_heap
 
     keep_freed_memory_in_heap()
@@ -251,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv_plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
     kv_plan.set_defaults(func=_kv_plan)
+    from gateway import key_command
+
+    key_command.add_arguments(commands.add_parser("keys", help="make API keys (printed once) and their config entries"))
     return parser
 
 

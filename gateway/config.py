@@ -89,6 +89,11 @@ class DynamicBatcherConfig(_Strict):
     max_queue_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
     # Waiting this many seconds is worth one priority level (effective = priority - waited / aging).
     priority_aging_s: float = Field(default=10.0, gt=0, le=86_400)
+    # Batches by priority band, then the tenant with the fewest prompt tokens served per weight,
+    # then aging (policies/fair_share.py); off: priority and aging alone, tenants as one.
+    fair_share: bool = True
+    # A request waiting this long goes into the next batch before priority order.
+    max_starvation_s: float = Field(default=10.0, gt=0, le=86_400)
 
 
 class ContinuousBatcherConfig(_Strict):
@@ -99,6 +104,12 @@ class ContinuousBatcherConfig(_Strict):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     block_size: int = Field(default=16, ge=1, le=1024)
     priority_aging_s: float = Field(default=10.0, gt=0, le=86_400)
+    # Competing tenants of a priority share the bucket by tokens served, in proportion to their
+    # weights (Virtual Token Counter); one under its share of max_num_seqs takes a seat from one
+    # over it; a full queue refuses the tenant over its share first (policies/fair_share.py).
+    fair_share: bool = True
+    # Every admitted sequence computes a token at least this often, whatever arrives after it.
+    max_starvation_s: float = Field(default=10.0, gt=0, le=86_400)
     enable_prefix_caching: bool = True
     # Stall-free chunked prefill (Sarathi-Serve): with decodes running, a step takes only the
     # prefill tokens that keep it within tpot_target_ms (None: three times the measured

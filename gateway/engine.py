@@ -280,7 +280,7 @@ class Engine:
             raise KeyError(bucket_name)
         new = next(b for b in model.buckets if b.bucket_name == bucket_name)
         bucket.update_settings(build.batcher_settings(new, build.lora_slots(model)))
-        bucket.set_queue_limits(new.max_queue_len, new.max_queued_tokens)
+        bucket.set_queue_limits(new.max_queue_len, new.max_queued_tokens, new.batcher.fair_share)
         served.config = model
         self.config = config
 

@@ -51,9 +51,10 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 
 
 async def send_error(send: Any, error: APIError) -> None:
-    """Answer with ``error``'s OpenAI-style JSON body, from outside the app."""
+    """Answer with ``error``'s OpenAI-style JSON body and headers, from outside the app."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -76,7 +76,7 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def log_request_finished(model: str, request: Request, completion_tokens: int, outcome: str) -> None:
-    """Log a request's timeline once, in milliseconds since its arrival."""
+    """Log a request's timeline once, in milliseconds since its arrival, with its tenant and priority."""
     arrival = request.timeline.get("arrival", 0.0)
     timeline_ms = {k: round((v - arrival) * 1000, 3) for k, v in request.timeline.items()}
     structlog.get_logger("sluice.request").info(
@@ -84,6 +84,8 @@ def log_request_finished(model: str, request: Request, completion_tokens: int, o
         request_id=request.request_id,
         model=model,
         bucket=request.info.get("bucket"),
+        tenant=request.tenant,
+        priority=request.priority,
         outcome=outcome,
         prompt_tokens=request.num_prompt_tokens,
         completion_tokens=completion_tokens,

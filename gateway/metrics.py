@@ -1,4 +1,7 @@
-"""Prometheus metrics (``GET /metrics``), labelled by ``model`` and ``bucket``.
+"""Prometheus metrics (``GET /metrics``), labelled by ``model`` and ``bucket``; the per-request
+series (latencies, tokens, ``sluice_tenant_requests`` by outcome) also by ``tenant``: a
+configured API key's tenant name, else ``anonymous`` (a key a reload removed while its request
+ran included), so clients cannot add series.
 
 Latencies are observed once per finished request from its timeline (:meth:`Metrics.observe_request`,
 called where the request is logged); batch shapes once per forward from the worker
@@ -35,6 +38,7 @@ from buckets.request import GenerationRequest, Request
 from buckets.stats import STEP_PHASES
 from gateway.outcome import Outcome, outcome_of_status
 from gateway.streams import EventTimings
+from gateway.tenants import ANONYMOUS_NAME
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -43,6 +47,8 @@ if TYPE_CHECKING:
 # The Prometheus text format's media type; litestar adds ``charset=utf-8`` to a text/* type itself.
 CONTENT_TYPE = "text/plain; version=0.0.4"
 LABELS = ("model", "bucket")
+# The series observed once per finished request.
+REQUEST_LABELS = (*LABELS, "tenant")
 # Seconds: vLLM's TTFT buckets, reaching further for CPU prefills.
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -99,23 +105,25 @@ def request_timing(request: Request, completion_tokens: int, outcome: str) -> Re
 class Metrics:
     """The gateway's metrics, in their own registry (one per app)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, tenant_names: Callable[[], frozenset[str]] = frozenset):
+        """``tenant_names``: the configured tenants' names now (the ``tenant`` label's values
+        besides ``anonymous``)."""
         self.registry = CollectorRegistry()
         registry = self.registry
         self.ttft = Histogram(
-            "sluice_time_to_first_token_seconds", "Arrival to first token (or embedding).", LABELS,
+            "sluice_time_to_first_token_seconds", "Arrival to first token (or embedding).", REQUEST_LABELS,
             buckets=LATENCY_BUCKETS_S, registry=registry,
         )
         self.itl = Histogram(
             "sluice_inter_token_latency_seconds", "Time per output token after the first (TPOT), one per request.",
-            LABELS, buckets=ITL_BUCKETS_S, registry=registry,
+            REQUEST_LABELS, buckets=ITL_BUCKETS_S, registry=registry,
         )
         self.e2e = Histogram(
-            "sluice_e2e_request_latency_seconds", "Arrival to the last token (or embedding).", LABELS,
+            "sluice_e2e_request_latency_seconds", "Arrival to the last token (or embedding).", REQUEST_LABELS,
             buckets=LATENCY_BUCKETS_S, registry=registry,
         )
         self.queue_time = Histogram(
-            "sluice_request_queue_time_seconds", "Arrival to leaving the bucket's queue to run.", LABELS,
+            "sluice_request_queue_time_seconds", "Arrival to leaving the bucket's queue to run.", REQUEST_LABELS,
             buckets=LATENCY_BUCKETS_S, registry=registry,
         )
         self.batch_size = Histogram(
@@ -139,11 +147,16 @@ class Metrics:
         )
         self.event_timings = EventTimings(self.event_hop.observe, self.stream_chunk.observe)
         self.prompt_tokens = Counter(
-            "sluice_prompt_tokens", "Prompt tokens of finished requests.", LABELS, registry=registry
+            "sluice_prompt_tokens", "Prompt tokens of finished requests.", REQUEST_LABELS, registry=registry
         )
         self.generation_tokens = Counter(
-            "sluice_generation_tokens", "Generated tokens of finished requests.", LABELS, registry=registry
+            "sluice_generation_tokens", "Generated tokens of finished requests.", REQUEST_LABELS, registry=registry
         )
+        self.tenant_requests = Counter(
+            "sluice_tenant_requests", "Finished requests a bucket took, by tenant and outcome.",
+            ("model", "tenant", "outcome"), registry=registry,
+        )
+        self._tenant_names = tenant_names
         self.model_loads = Counter(
             "sluice_model_loads", "Model loads on demand by outcome (ok, failed).", ("model", "outcome"), registry=registry
         )
@@ -188,7 +201,9 @@ class Metrics:
         bucket = request.info.get("bucket")
         if bucket is None:
             return  # refused before routing
-        labels = (model, bucket)
+        tenant = request.tenant if request.tenant in self._tenant_names() else ANONYMOUS_NAME
+        labels = (model, bucket, tenant)
+        self.tenant_requests.labels(model, tenant, outcome).inc()
         timing = request_timing(request, completion_tokens, outcome)
         observed = [(self.e2e, timing.e2e_s), (self.queue_time, timing.queue_s)]
         is_generation = isinstance(request, GenerationRequest)
@@ -201,7 +216,7 @@ class Metrics:
         if is_generation:
             self.generation_tokens.labels(*labels).inc(completion_tokens)
         with self._lock:
-            self._recent.setdefault(labels, deque(maxlen=RECENT_REQUESTS)).append(timing)
+            self._recent.setdefault((model, bucket), deque(maxlen=RECENT_REQUESTS)).append(timing)
 
     def batch_observer(self, model: str, bucket: str, kind: str) -> Callable[[int, int, int], None]:
         """The observer a bucket's batcher calls after each forward."""

@@ -4,6 +4,9 @@ A bucket refuses a request when its queue (submitted, not yet started) would hol
 ``max_queue_len`` requests or more than ``max_queued_tokens`` prompt tokens (Triton's
 ``max_queue_size`` with a reject action). The wait it suggests is the queue's length over its
 recent drain rate: the time the requests ahead need to leave the queue.
+
+With fair share (:func:`fair_refusal_reason`), a full queue refuses only a tenant that already
+holds its weighted share of the limit reached, so a noisy tenant gets the 429s, not a quiet one.
 """
 
 from __future__ import annotations
@@ -33,14 +36,73 @@ def refusal_reason(
     Returns:
         A reason naming the limit and its value, or ``None``.
     """
-    if num_queued + num_seqs > max_queue_len and (num_queued or max_queue_len < 1):
+    is_len_full, is_tokens_full = full_limits(num_queued, num_queued_tokens, num_tokens, max_queue_len, max_queued_tokens, num_seqs)
+    if is_len_full:
         return f"max_queue_len {max_queue_len} reached ({num_queued} requests queued)"
-    if max_queued_tokens is not None and num_queued and num_queued_tokens + num_tokens > max_queued_tokens:
+    if is_tokens_full:
         return (
             f"max_queued_tokens {max_queued_tokens} would be exceeded "
             f"({num_queued_tokens} prompt tokens queued, {num_tokens} more asked)"
         )
     return None
+
+
+def full_limits(
+    num_queued: int, num_queued_tokens: int, num_tokens: int, max_queue_len: int, max_queued_tokens: int | None, num_seqs: int
+) -> tuple[bool, bool]:
+    """Whether the newcomer would exceed ``max_queue_len``, and ``max_queued_tokens`` (arguments
+    as :func:`refusal_reason`'s; an empty queue takes any request, or it could never run)."""
+    is_len_full = num_queued + num_seqs > max_queue_len and (num_queued > 0 or max_queue_len < 1)
+    is_tokens_full = max_queued_tokens is not None and num_queued > 0 and num_queued_tokens + num_tokens > max_queued_tokens
+    return is_len_full, is_tokens_full
+
+
+def fair_refusal_reason(
+    num_queued: int,
+    num_queued_tokens: int,
+    num_tokens: int,
+    max_queue_len: int,
+    max_queued_tokens: int | None,
+    num_seqs: int,
+    tenant_queued: tuple[int, int],
+    weight: float,
+    other_weights: list[float],
+) -> str | None:
+    """:func:`refusal_reason` under fair share: a full limit refuses only a tenant that has
+    requests queued and would hold more than its weighted share of that limit with this one,
+    ``limit * weight / (weight + sum(other_weights))`` over the tenants queued (itself
+    included); a tenant within its share of every full limit (or with nothing queued) is
+    admitted. The queue may thus exceed a limit, by at most the shares of the tenants under
+    theirs (and one request of each tenant that had none queued). With one tenant it is
+    :func:`refusal_reason` exactly.
+
+    Args:
+        tenant_queued: the newcomer's tenant's queued ``(sequences, prompt tokens)``.
+        weight: its weight (> 0).
+        other_weights: the weights of the other tenants with requests queued.
+    Returns:
+        A reason naming the limit, its value and the tenant's share, or ``None``.
+    """
+    reason = refusal_reason(num_queued, num_queued_tokens, num_tokens, max_queue_len, max_queued_tokens, num_seqs)
+    if reason is None:
+        return None
+    is_len_full, is_tokens_full = full_limits(num_queued, num_queued_tokens, num_tokens, max_queue_len, max_queued_tokens, num_seqs)
+    fraction = weight / (weight + sum(other_weights))
+    over = [
+        (name, held, limit * fraction)
+        for name, is_full, held, asked, limit in (
+            ("max_queue_len", is_len_full, tenant_queued[0], num_seqs, max_queue_len),
+            ("max_queued_tokens", is_tokens_full, tenant_queued[1], num_tokens, max_queued_tokens or 0),
+        )
+        if is_full and tenant_queued[0] > 0 and held + asked > limit * fraction
+    ]
+    if not over:
+        return None
+    name, held, share = over[0]
+    return (
+        f"{reason}; this tenant holds {held} of its weighted share {share:.1f} of {name} (a tenant within "
+        "its share is still admitted, so the queue may exceed the limit by the other tenants' shares)"
+    )
 
 
 def retry_after_s(num_queued: int, drain_per_s: float, min_s: int = 1, max_s: int = 60) -> int:

@@ -125,14 +125,17 @@ def make_scheduler(
     preemption: PreemptionMode = "recompute",
     num_host_blocks: int = 0,
     swap_costs: SwapCostModel | None = None,
+    fair_share: bool = True,
+    max_starvation_s: float = 10.0,
 ) -> Scheduler:
     """A real :class:`Scheduler` over a real :class:`BlockManager` of ``num_blocks`` blocks of
     ``block_size`` tokens, on ``clock`` (a fresh :class:`FakeClock` at 0 s by default), with
     ``prefill_budget`` (none: prefill fills ``max_num_batched_tokens``) and ``max_loras`` LoRA slots;
     with ``preemption`` ``swap`` or ``auto``, a :class:`Swapper` over ``num_host_blocks`` host
-    blocks and ``swap_costs``."""
+    blocks and ``swap_costs``; ``fair_share`` and ``max_starvation_s`` as the settings'."""
     settings = ContinuousBatcherSettings(
         max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching, max_loras=max_loras, preemption=preemption,
+        fair_share=fair_share, max_starvation_s=max_starvation_s,
     )
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     swapper = None if preemption == "recompute" else Swapper(preemption, SwapSpace(num_host_blocks), manager, swap_costs)

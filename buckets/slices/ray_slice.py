@@ -45,7 +45,7 @@ from buckets.slices.ray_channels import actor_name, config_fingerprint
 from buckets.slices.remote import InFlight
 from buckets.slices.slice import BatcherSettings, BucketKey, BucketSpec, SliceState
 from buckets.slices.worker import WorkerProcess
-from buckets.stats import STEP_TIME_FIELDS, BatchObserver, BucketStats
+from buckets.stats import BY_KEY_FIELDS, STEP_TIME_FIELDS, BatchObserver, BucketStats, add_by_key
 from policies.replica_routing import ReplicaLoad, ReplicaRouter
 
 MAX_STATS_FIELDS = frozenset({"max_batch_seqs", "kv_block_size"}) | STEP_TIME_FIELDS  # the replicas' largest, not their sum
@@ -161,7 +161,10 @@ def merge_stats(snapshots: list[BucketStats]) -> BucketStats:
     for item in dataclasses.fields(BucketStats):
         if item.name != "kind":
             values = [getattr(s, item.name) for s in snapshots]
-            merged[item.name] = max(values) if item.name in MAX_STATS_FIELDS else sum(values)
+            if item.name in BY_KEY_FIELDS:
+                merged[item.name] = add_by_key(values)
+            else:
+                merged[item.name] = max(values) if item.name in MAX_STATS_FIELDS else sum(values)
     return BucketStats(**merged)
 
 

@@ -14,7 +14,8 @@ from gateway.config import ModelConfig
 from gateway.engine import ServedModel
 from gateway.errors import invalid_request, validation_error
 from gateway.router import Router
-from gateway.schemas import ChatCompletionBody, CompletionBody, EndpointBody
+from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody, EndpointBody
+from gateway.tenants import Tenant
 from models.step_io import SamplingParams
 from policies.deadlines import TimeoutOverCapError, resolve_timeout_s
 
@@ -89,6 +90,27 @@ def check_priority(router: Router, priority: int) -> None:
             param="priority",
             code="priority_out_of_range",
         )
+
+
+def resolve_priority(router: Router, tenant: Tenant, body: CompletionBody | ChatCompletionBody | EmbeddingBody) -> int:
+    """The request's priority: the body's when it names one (``null`` names none), else the
+    tenant's default (:attr:`Tenant.priority`; 0 without one).
+
+    Raises:
+        APIError: 400 (``priority``) outside the configured range (``priority_out_of_range``)
+            or more urgent (lower) than the tenant's ``max_priority`` (``priority_not_allowed``).
+    """
+    if "priority" not in body.model_fields_set:
+        return 0 if tenant.priority is None else tenant.priority
+    check_priority(router, body.priority)
+    if tenant.max_priority is not None and body.priority < tenant.max_priority:
+        raise invalid_request(
+            f"priority is {body.priority}; this API key's requests may ask {tenant.max_priority} at the most urgent "
+            "(lower is more urgent)",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    return body.priority
 
 
 def check_num_inputs(served: ServedModel, num_inputs: int) -> None:

@@ -16,6 +16,7 @@ from gateway.routes.bodies import check_num_inputs, check_token_ids
 from gateway.routes.generation import finish, first_event
 from gateway.schemas import EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
+from gateway.tenants import Tenant
 
 
 async def input_token_lists(router: Router, served: ServedModel, body: EmbeddingBody) -> list[list[int]]:
@@ -72,8 +73,14 @@ def base64_floats(values: list[float]) -> str:
 
 
 def submit_embedding(
-    router: Router, served: ServedModel, token_ids: list[int], priority: int, arrival_s: float, deadline_s: float | None
+    router: Router, served: ServedModel, token_ids: list[int], priority: int, arrival_s: float, deadline_s: float | None,
+    tenant: Tenant,
 ) -> tuple[EmbeddingRequest, EventChannel]:
+    """Queue one input's request (``tenant``: who sent it, for fair share) in its bucket.
+
+    Raises:
+        APIError: the refusals of :meth:`Router.enqueue` (429 for a full queue).
+    """
     channel = EventChannel()
     request = EmbeddingRequest(
         request_id=f"emb-{uuid.uuid4().hex}",
@@ -81,6 +88,8 @@ def submit_embedding(
         sink=channel.sink,
         priority=priority,
         deadline_s=deadline_s,
+        tenant=tenant.name,
+        tenant_weight=tenant.weight,
     )
     request.timeline["arrival"] = arrival_s
     router.enqueue(served, request, 0, "input")

@@ -22,14 +22,14 @@ from gateway.http_edge import request_id_of
 from gateway.quotas import QuotaBook, QuotaLease, meter
 from gateway.residency import Residency, describe_state
 from gateway.router import Prompt, Router, TokenBudget
-from gateway.routes.bodies import check_priority, parse_body, resolve_deadline_s, resolve_max_tokens, sampling_params
+from gateway.routes.bodies import parse_body, resolve_deadline_s, resolve_max_tokens, resolve_priority, sampling_params
 from gateway.routes.choices import PromptSource, check_choices, completion_prompts
 from gateway.routes.embeddings import base64_floats, check_dimensions, embed_one, input_token_lists, matryoshka, submit_embedding
 from gateway.routes.generation import EchoOnlyResponse, collect_response, first_events, stream_response
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
 from gateway.structured_fields import checked_constraint
-from gateway.tenants import tenant_of
+from gateway.tenants import Tenant, tenant_of
 from gateway.tools import ToolPlan, check_tool_constraint, tool_plan, with_tool_constraint
 from models.step_io import LoraRequest, SamplingParams
 
@@ -63,23 +63,27 @@ def _lora(request: Request[Any, Any, Any]) -> LoraRequest | None:
 async def _served_call(
     request: Request[Any, Any, Any], body: Any, task: str, arrival_s: float, handler: Callable[..., Awaitable[Any]]
 ) -> Any:
-    """Check ``body``'s model (404, 400 ``wrong_task``), priority and timeout, then run
-    ``handler(request, router, served, body, arrival_s, deadline_s)`` on the served model, loaded
-    first when it is not (the wait counts against the deadline), under a lease that keeps an
-    eviction from draining it before its requests are queued. A LoRA adapter's id runs on its
-    base model with the adapter (read first when it is not), leased until the response ends.
-    An API key's quotas admit the request (429 over one) before the model is loaded, and hold it
-    until the response ends (:mod:`gateway.quotas`)."""
+    """Check ``body``'s model (404, as unknown, for one the caller's API key may not use; 400
+    ``wrong_task``), priority (the tenant's default when it names none) and timeout, then run
+    ``handler(request, router, served, body, arrival_s, deadline_s)`` (``body.priority``
+    resolved) on the served model, loaded first when it is not (the wait counts against the
+    deadline), under a lease that keeps an eviction from draining it before its requests are
+    queued. A LoRA adapter's id runs on its base model with the adapter (read first when it is
+    not), leased until the response ends. An API key's quotas admit the request (429 over one)
+    before the model is loaded, and hold it until the response ends (:mod:`gateway.quotas`)."""
+    tenant = tenant_of(request.scope)
+    if not tenant.may_use(body.model):
+        raise model_not_found(body.model)
     router = _router(request)
     leased = await _adapters(request).lease(body.model, task)
     name, adapter = (body.model, None) if leased is None else leased
     quota: QuotaLease | None = None
     try:
         model = _residency(request).model_config(name, task)
-        check_priority(router, body.priority)
+        body = body.model_copy(update={"priority": resolve_priority(router, tenant, body)})
         deadline_s = resolve_deadline_s(model, body.timeout, arrival_s)
         request.state.lora = None if adapter is None else adapter.lora
-        quota = request.state.quota = _quotas(request).admit(tenant_of(request.scope))
+        quota = request.state.quota = _quotas(request).admit(tenant)
         async with _residency(request).serving(name, deadline_s) as served:
             response = await handler(request, router, served, body, arrival_s, deadline_s)
     except BaseException:
@@ -124,19 +128,24 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def list_models(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
-        """Every servable model, loaded or not, as :func:`model_card` describes it."""
+        """Every servable model, loaded or not, as :func:`model_card` describes it, and every
+        adapter; only those the caller's API key may use."""
         residency = _residency(request)
         cards = [model_card(residency, m) for m in list(residency.engine.config.models)]
         model_ids = {card["id"] for card in cards}  # a model wins over an adapter of its name: listed once
         cards += [adapter_card(residency, r, e.name, e.path) for r in _adapters(request).registries() for e in r.entries()
                   if e.name not in model_ids]
-        return {"object": "list", "data": cards}
+        tenant = tenant_of(request.scope)
+        return {"object": "list", "data": [card for card in cards if tenant.may_use(card["id"])]}
 
     @get("/models/{model_id:path}")
     async def retrieve_model(self, request: Request[Any, Any, Any], model_id: str) -> dict[str, Any]:
-        """One servable model (a name may hold ``/``). Raises APIError 404 for an unknown one."""
+        """One servable model (a name may hold ``/``). Raises APIError 404 for an unknown one, and
+        for one the caller's API key may not use."""
         name = model_id.lstrip("/")
         residency = _residency(request)
+        if not tenant_of(request.scope).may_use(name):
+            raise model_not_found(name)
         model = next((m for m in residency.engine.config.models if m.name == name), None)
         if model is None:
             found = _adapters(request).find(name)
@@ -206,7 +215,9 @@ class OpenAIController(Controller):
         submitted: list[tuple[EmbeddingRequest, EventChannel]] = []
         try:
             for ids in token_lists:
-                submitted.append(submit_embedding(router, served, ids, body.priority, arrival_s, deadline_s))
+                submitted.append(
+                    submit_embedding(router, served, ids, body.priority, arrival_s, deadline_s, tenant_of(request.scope))
+                )
         except APIError:
             for queued, _ in submitted:
                 queued.cancel()  # all inputs or none: the batcher drops them unrun
@@ -287,7 +298,9 @@ async def _generate(
         for p, (prompt, text) in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             channel = EventChannel(http_request.app.state.metrics.event_timings)
-            build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s, _lora(http_request))
+            build = _request_factory(
+                body, params, request_id, channel, arrival_s, deadline_s, tenant_of(http_request.scope), _lora(http_request)
+            )
             request = await router.submit(served, prompt, budget, deadline_s, build, body.n)
             assert isinstance(request, GenerationRequest)
             sources.append(PromptSource(request, channel, text, p * body.n))
@@ -321,11 +334,12 @@ def _request_factory(
     channel: EventChannel,
     arrival_s: float,
     deadline_s: float | None,
+    tenant: Tenant,
     lora: LoraRequest | None = None,
 ) -> Callable[[list[int], int], GenerationRequest]:
     """How the router builds one prompt's core request from its token ids and budget (with
-    ``echo`` and ``logprobs`` it asks for the prompt's logprobs too; ``lora``: the adapter it
-    runs with)."""
+    ``echo`` and ``logprobs`` it asks for the prompt's logprobs too; ``tenant``: who sent it, for
+    fair share; ``lora``: the adapter it runs with)."""
     num_top_logprobs = body.logprobs if isinstance(body, CompletionBody) else body.num_top_logprobs()
     echo = isinstance(body, CompletionBody) and body.echo
 
@@ -340,6 +354,8 @@ def _request_factory(
             sink=channel.sink,
             priority=body.priority,
             deadline_s=deadline_s,
+            tenant=tenant.name,
+            tenant_weight=tenant.weight,
             max_tokens=max_tokens,
             params=params,
             stop=body.stop_strings(),

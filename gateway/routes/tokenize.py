@@ -14,11 +14,13 @@ from typing import Any
 from litestar import Controller, Request, post
 
 from gateway.engine import ServedModel
+from gateway.errors import model_not_found
 from gateway.residency import Residency
 from gateway.prompts import Piece
 from gateway.router import MAX_INLINE_PROMPT_TOKENS, Router
 from gateway.routes.bodies import check_token_ids, parse_body
 from gateway.schemas import DetokenizeBody, TokenizeBody
+from gateway.tenants import tenant_of
 
 
 @asynccontextmanager
@@ -27,8 +29,11 @@ async def _served(request: Request[Any, Any, Any], name: str) -> AsyncIterator[t
     tokenizer it shares), loaded first when it is not.
 
     Raises:
-        APIError: 404 for an unknown model; the 503s of a load (:meth:`Residency.acquire`).
+        APIError: 404 for an unknown model, and for one the caller's API key may not use; the
+            503s of a load (:meth:`Residency.acquire`).
     """
+    if not tenant_of(request.scope).may_use(name):
+        raise model_not_found(name)
     residency: Residency = request.app.state.residency
     adapter = request.app.state.adapters.find(name)
     if adapter is not None:

@@ -79,7 +79,7 @@ def resident_memory_bytes(proc: ServerProcess) -> int:
 
 # Environment variables a forked server may set differently from the zygote's environment: read
 # when the gateway runs, not when torch, the kernels or Ray are imported or initialise.
-FORK_SAFE_ENV = frozenset({"SLUICE_ADMIN_TOKEN"})
+FORK_SAFE_ENV = frozenset({"SLUICE_ADMIN_TOKEN", "SLUICE_API_KEYS_FILE"})
 # ``SLUICE_TEST_FORK_SERVERS=0`` starts every server as its own ``python -m gateway`` process.
 FORK_SERVERS_ENV = "SLUICE_TEST_FORK_SERVERS"
 

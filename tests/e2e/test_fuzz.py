@@ -6,6 +6,7 @@ and schema-violating ones (negative mode); the GET operations get what they take
 runs derandomized, without shrinking or an example database, so the run is reproducible and
 bounded: about 1,200 requests (at least 1,000, as issue 4 asks), all to 127.0.0.1. The bodies
 include content-part arrays, token-id inputs, ``dimensions`` and the tokenizer endpoints' bodies.
+The server has an ``auth`` section and every request carries its one API key (issue 36).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.core import NotSet
 
+from gateway.auth import key_sha256
 from tests.e2e.conftest import CONFIG, EMBED_MODEL, GENERATE_MODEL, run_server
 
 MAX_TOKENS_CAP = 4
@@ -33,6 +35,8 @@ NUM_NEGATIVE_PER_POST = 80
 NUM_EXAMPLES_PER_GET = 20
 MIN_NUM_REQUESTS = 1000
 REQUEST_TIMEOUT_S = 60
+# The fuzz server's one API key: every request sends it.
+FUZZ_KEY = "sk-sluice-fuzz"
 # The served model each POST route takes; a generated ``model`` string is almost never one.
 POST_MODELS = {
     "/v1/completions": GENERATE_MODEL, "/v1/chat/completions": GENERATE_MODEL, "/v1/embeddings": EMBED_MODEL,
@@ -78,8 +82,10 @@ class FuzzRecord:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzServer]:
-    """The test config with ``max_tokens_cap`` 4, at most 8 embedding inputs and 1 ms batch delays."""
+    """The test config with ``max_tokens_cap`` 4, at most 8 embedding inputs, 1 ms batch delays
+    and one API key, :data:`FUZZ_KEY`."""
     config = yaml.safe_load(CONFIG.read_text())
+    config["auth"] = {"api_keys": [{"name": "fuzz", "key_sha256": key_sha256(FUZZ_KEY)}]}
     models = {m["name"]: m for m in config["models"]}
     models[GENERATE_MODEL]["max_tokens_cap"] = MAX_TOKENS_CAP
     models[EMBED_MODEL]["max_embedding_inputs"] = MAX_EMBEDDING_INPUTS
@@ -189,6 +195,8 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
     record = FuzzRecord()
     positive, negative = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
     with requests.Session() as session:
+        assert session.post(f"{fuzz_server.url}/v1/completions", json=MINIMAL_BODIES["/v1/completions"]).status_code == 401
+        session.headers["Authorization"] = f"Bearer {FUZZ_KEY}"
         _assert_minimal_bodies_served(fuzz_server, session)
         send_valid = _sender(fuzz_server, session, record, "positive")
         send_invalid = _sender(fuzz_server, session, record, "negative")
@@ -208,6 +216,7 @@ def test_fuzz_openapi_no_server_error(fuzz_server: FuzzServer) -> None:
         + f"\n--- server log ---\n{_log_excerpt(fuzz_server.log_path)}"
     )
     assert record.num_requests >= MIN_NUM_REQUESTS, summary
+    assert not [label for (label, status) in record.statuses if status == 401], f"a request's key was refused: {summary}"
     # Generated bodies reach the batchers: some are served, over the POST routes together.
     num_ok = {path: record.statuses[(f"POST {path}", 200)] for path in POST_PATHS}
     print(f"generated bodies served per POST route: {num_ok}")

@@ -19,7 +19,8 @@ from buckets.errors import (
 from buckets.request import EmbeddingEvent, ErrorEvent, TokenEvent
 from gateway.access_log import AccessLog, note, note_outcome
 from gateway.admin import BucketPatch, check_admin_token, knob_path
-from gateway.config import GatewayConfig
+from gateway.build import continuous_settings, dynamic_settings
+from gateway.config import ContinuousBatcherConfig, DynamicBatcherConfig, GatewayConfig
 from gateway.errors import APIError, ConfigError, config_validation_error, is_domain_error, to_api_error
 from gateway.metrics import Metrics
 from gateway.outcome import Outcome, outcome_of, outcome_of_status
@@ -189,6 +190,17 @@ def test_a_patch_takes_the_chunked_prefill_knobs() -> None:
     assert patch.model_dump(exclude_unset=True) == {"chunked_prefill": "fixed", "tpot_target_ms": None}
     with pytest.raises(ValidationError):
         BucketPatch.model_validate({"tpot_target_ms": 0})
+
+
+def test_the_fair_share_knobs_reach_the_settings_and_a_patch_takes_them() -> None:
+    patch = BucketPatch.model_validate({"fair_share": False, "max_starvation_s": 4.0})
+    assert patch.model_dump(exclude_unset=True) == {"fair_share": False, "max_starvation_s": 4.0}
+    with pytest.raises(ValidationError):
+        BucketPatch.model_validate({"max_starvation_s": 0})
+    continuous = continuous_settings(ContinuousBatcherConfig(kind="continuous", fair_share=False, max_starvation_s=4.0))
+    dynamic = dynamic_settings(DynamicBatcherConfig(kind="dynamic", fair_share=False, max_starvation_s=3.0))
+    assert (continuous.fair_share, continuous.max_starvation_s, dynamic.fair_share, dynamic.max_starvation_s) == (False, 4.0, False, 3.0)
+    assert ContinuousBatcherConfig(kind="continuous").fair_share
 
 
 def test_a_whole_config_error_leaves_out_the_batcher_kind_tag() -> None:
