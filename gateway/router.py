@@ -105,10 +105,12 @@ class Router:
         deadline_s: float | None,
         build: RequestFactory,
         num_seqs: int = 1,
+        tenant: tuple[str, float] | None = None,
     ) -> Request:
         """Tokenize ``prompt``, build its request with ``build(ids, budget(len(ids)))``, and
-        queue it on its bucket (admission counts it as ``num_seqs`` sequences: its choices).
-        Returns the queued request.
+        queue it on its bucket (admission counts it as ``num_seqs`` sequences: its choices;
+        ``tenant``: its tenant's name and weight, for a fair bucket's early refusal; ``None``:
+        one with nothing queued). Returns the queued request.
 
         Raises:
             APIError: 429 ``queue_full`` (``Retry-After``) when the bucket is full, before
@@ -118,9 +120,11 @@ class Router:
         """
         if prompt.token_ids is not None:
             ids = list(prompt.token_ids)
-            self._refuse_when_full(served, len(ids), len(ids) + budget(1), deadline_s, num_seqs)
+            self._refuse_when_full(served, len(ids), len(ids) + budget(1), deadline_s, num_seqs, tenant)
         else:
-            ids = await self.tokenize(served, prompt, lambda n: self._refuse_when_full(served, n, n + budget(1), deadline_s, num_seqs))
+            ids = await self.tokenize(
+                served, prompt, lambda n: self._refuse_when_full(served, n, n + budget(1), deadline_s, num_seqs, tenant)
+            )
         max_tokens = budget(len(ids))
         if not ids:
             raise invalid_request("The prompt tokenizes to no tokens", param=prompt.param)
@@ -178,7 +182,8 @@ class Router:
 
     @staticmethod
     def _refuse_when_full(
-        served: ServedModel, max_prompt_tokens: int, max_total_tokens: int, deadline_s: float | None, num_seqs: int = 1
+        served: ServedModel, max_prompt_tokens: int, max_total_tokens: int, deadline_s: float | None, num_seqs: int = 1,
+        tenant: tuple[str, float] | None = None,
     ) -> None:
         """Raise the 429 every bucket a prompt of at most ``max_prompt_tokens`` (and at most
         ``max_total_tokens`` with its generation, ``num_seqs`` sequences) could go to would give
@@ -191,8 +196,10 @@ class Router:
         candidates = table.buckets[: table.buckets.index(last) + 1]
         if any(b.kv_capacity_tokens is not None and max_total_tokens > b.kv_capacity_tokens for b in candidates):
             return
+        name, weight = tenant if tenant is not None else (None, 1.0)
         refusals = [
-            b.admission.refusal(1, None if deadline_s is None else deadline_s - b.admission.clock(), num_seqs) for b in candidates
+            b.admission.refusal(1, None if deadline_s is None else deadline_s - b.admission.clock(), num_seqs, name, weight)
+            for b in candidates
         ]
         refusal = refusals[-1]
         if refusal is None or any(r is None for r in refusals) or last.closed:

@@ -298,10 +298,9 @@ async def _generate(
         for p, (prompt, text) in enumerate(prompts):
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             channel = EventChannel(http_request.app.state.metrics.event_timings)
-            build = _request_factory(
-                body, params, request_id, channel, arrival_s, deadline_s, tenant_of(http_request.scope), _lora(http_request)
-            )
-            request = await router.submit(served, prompt, budget, deadline_s, build, body.n)
+            tenant = tenant_of(http_request.scope)
+            build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s, tenant, _lora(http_request))
+            request = await router.submit(served, prompt, budget, deadline_s, build, body.n, (tenant.name, tenant.weight))
             assert isinstance(request, GenerationRequest)
             sources.append(PromptSource(request, channel, text, p * body.n))
     except BaseException:
