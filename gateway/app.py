@@ -33,6 +33,7 @@ from gateway.http_edge import BodyDecoding, RequestIds
 from gateway.key_routes import KeysController, reloading_on_sighup
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.openapi import RequestBodySchemas
+from gateway.quotas import QuotaBook
 from gateway.residency import Residency
 from gateway.router import Router
 from gateway.slice_worker import run_slice_worker
@@ -154,7 +155,8 @@ def create_app(config: GatewayConfig) -> Litestar:
         ],
         lifespan=[lifespan],
         state=State({"engine": engine, "router": Router(engine), "metrics": metrics, "residency": residency,
-                     "adapters": adapters, "api_keys": keys}),
+                     "adapters": adapters, "api_keys": keys,
+                     "quotas": QuotaBook(metrics.observe_rate_limited)}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=int(config.max_request_body_bytes),
         plugins=[RequestBodySchemas()],

@@ -6,6 +6,7 @@ OpenAI's shape: ``{"error": {"message": ..., "type": ..., "param": ..., "code": 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 
@@ -150,6 +151,20 @@ def load_queue_full(name: str, max_waiters: int, retry_after_s: int) -> APIError
         429, f"{max_waiters} requests already wait for the model '{name}' to load; retry after {retry_after_s} s",
         "rate_limit_error", param="model", code="queue_full", headers={"Retry-After": str(retry_after_s)},
     )
+
+
+def rate_limited(tenant: str, limit: str, retry_after_s: float, rate_limit_headers: dict[str, str]) -> APIError:
+    """429 ``rate_limit_exceeded`` (OpenAI's code for a key over its rate limit): ``tenant``'s
+    ``limit`` (``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent_requests``) is
+    reached on this gateway. ``Retry-After`` in whole seconds, ``retry-after-ms`` (which OpenAI
+    sends and its client prefers) and the ``x-ratelimit-*`` headers go with it."""
+    retry_after_ms = max(1, math.ceil(round(retry_after_s * 1000, 6)))
+    headers = {
+        "Retry-After": str(max(1, math.ceil(retry_after_ms / 1000))), "retry-after-ms": str(retry_after_ms),
+        **rate_limit_headers,
+    }
+    message = f"Rate limit reached for '{tenant}' on {limit} on this gateway; retry after {retry_after_ms / 1000:.3f} s"
+    return APIError(429, message, "rate_limit_error", param=None, code="rate_limit_exceeded", headers=headers)
 
 
 # Seconds a client is asked to wait after its slice's worker process died (it is restarting).

@@ -163,6 +163,11 @@ class Metrics:
         self.model_evictions = Counter(
             "sluice_model_evictions", "Models unloaded by reason (lru, idle, admin).", ("model", "reason"), registry=registry
         )
+        # Only tenants with quotas are refused: the configured keys' names, a bounded label set.
+        self.rate_limited = Counter(
+            "sluice_rate_limited", "Requests refused (429) for an API key's quota, by tenant and limit.",
+            ("tenant", "limit"), registry=registry,
+        )
         self.model_load_seconds = Histogram(
             "sluice_model_load_seconds", "A load on demand, its evictions included, start to serving.", ("model",),
             buckets=LATENCY_BUCKETS_S, registry=registry,
@@ -186,6 +191,10 @@ class Metrics:
     def observe_model_eviction(self, model: str, reason: str) -> None:
         """Count a model unloaded by ``reason`` (lru, idle, admin)."""
         self.model_evictions.labels(model, reason).inc()
+
+    def observe_rate_limited(self, tenant: str, limit: str) -> None:
+        """Count a request of ``tenant`` refused for its ``limit`` (:mod:`gateway.quotas`)."""
+        self.rate_limited.labels(tenant, limit).inc()
 
     def observe_request(self, model: str, request: Request, completion_tokens: int, outcome: str) -> None:
         """Record a finished request (any outcome) once; latencies only where it reached that stage."""

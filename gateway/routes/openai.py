@@ -19,6 +19,7 @@ from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, model_not_found
 from gateway.response_format import ResponseFormat
 from gateway.http_edge import request_id_of
+from gateway.quotas import QuotaBook, QuotaLease, meter
 from gateway.residency import Residency, describe_state
 from gateway.router import Prompt, Router, TokenBudget
 from gateway.routes.bodies import parse_body, resolve_deadline_s, resolve_max_tokens, resolve_priority, sampling_params
@@ -45,6 +46,15 @@ def _adapters(request: Request[Any, Any, Any]) -> Adapters:
     return request.app.state.adapters  # type: ignore[no-any-return]
 
 
+def _quotas(request: Request[Any, Any, Any]) -> QuotaBook:
+    return request.app.state.quotas  # type: ignore[no-any-return]
+
+
+def _quota(request: Request[Any, Any, Any]) -> QuotaLease | None:
+    """This HTTP request's hold on its API key's quotas (set by :func:`_served_call`; ``None``: none)."""
+    return getattr(request.state, "quota", None)
+
+
 def _lora(request: Request[Any, Any, Any]) -> LoraRequest | None:
     """The LoRA adapter this HTTP request's generations run with (set by :func:`_served_call`)."""
     return getattr(request.state, "lora", None)
@@ -59,24 +69,36 @@ async def _served_call(
     resolved) on the served model, loaded first when it is not (the wait counts against the
     deadline), under a lease that keeps an eviction from draining it before its requests are
     queued. A LoRA adapter's id runs on its base model with the adapter (read first when it is
-    not), leased until the response ends."""
+    not), leased until the response ends. An API key's quotas admit the request (429 over one)
+    before the model is loaded, and hold it until the response ends (:mod:`gateway.quotas`)."""
     tenant = tenant_of(request.scope)
     if not tenant.may_use(body.model):
         raise model_not_found(body.model)
     router = _router(request)
     leased = await _adapters(request).lease(body.model, task)
     name, adapter = (body.model, None) if leased is None else leased
+    quota: QuotaLease | None = None
     try:
         model = _residency(request).model_config(name, task)
         body = body.model_copy(update={"priority": resolve_priority(router, tenant, body)})
         deadline_s = resolve_deadline_s(model, body.timeout, arrival_s)
         request.state.lora = None if adapter is None else adapter.lora
+        quota = request.state.quota = _quotas(request).admit(tenant)
         async with _residency(request).serving(name, deadline_s) as served:
             response = await handler(request, router, served, body, arrival_s, deadline_s)
     except BaseException:
         if adapter is not None:
             adapter.release()
+        if quota is not None:
+            quota.release()
         raise
+    response = _with_adapter(response, adapter, name)
+    return response if quota is None else quota.settle(response)
+
+
+def _with_adapter(response: Any, adapter: AdapterLease | None, name: str) -> Any:
+    """``response`` of a request run with ``adapter`` on the base model ``name``: the adapter is
+    released when the response ends and the response names it as its model."""
     if adapter is None:
         return response
     if isinstance(response, Stream):
@@ -285,6 +307,7 @@ async def _generate(
         for queued in sources:
             queued.request.cancel()  # the batcher drops them unrun
         raise
+    meter(_quota(http_request), lambda: sum(s.request.num_prompt_tokens + s.num_completion_tokens for s in sources))
     watch = RequestWatch([s.request for s in sources], [s.channel for s in sources], deadline_s, http_request.receive)
     firsts = await first_events(served, sources, watch)
     headers = timing_headers(sources[0].request)
@@ -365,6 +388,7 @@ async def _echo_only(
             raise invalid_request("The prompt tokenizes to no tokens", param=prompt.param)
         router.route(served, len(ids), 0, prompt.param)
         num_prompt_tokens += len(ids)
+    meter(_quota(http_request), lambda: num_prompt_tokens)
     response_id = f"{fmt.id_prefix}-{request_id_of(http_request.scope)}"
     texts = [text for _, text in prompts]
     out = EchoOnlyResponse(served, response_id, texts, num_prompt_tokens, body.n, fmt)
