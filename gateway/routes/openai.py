@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -13,114 +12,26 @@ from litestar import Controller, Request, get, post
 from litestar.response import Response, Stream
 
 from buckets.request import EmbeddingRequest, GenerationRequest, Request as CoreRequest
-from gateway.adapters import AdapterLease, AdapterRegistry, Adapters
+from gateway.adapters import AdapterRegistry
 from gateway.config import ModelConfig
 from gateway.engine import ServedModel
 from gateway.errors import APIError, invalid_request, model_not_found
 from gateway.response_format import ResponseFormat
 from gateway.http_edge import request_id_of
-from gateway.quotas import QuotaBook, QuotaLease, meter
+from gateway.quotas import meter
 from gateway.residency import Residency, describe_state
 from gateway.router import Prompt, Router, TokenBudget
-from gateway.routes.bodies import parse_body, resolve_deadline_s, resolve_max_tokens, resolve_priority, sampling_params
+from gateway.routes.bodies import parse_body, resolve_max_tokens, sampling_params
 from gateway.routes.choices import PromptSource, check_choices, completion_prompts
 from gateway.routes.embeddings import base64_floats, check_dimensions, embed_one, input_token_lists, matryoshka, submit_embedding
 from gateway.routes.generation import EchoOnlyResponse, collect_response, first_events, stream_response
+from gateway.routes.served import adapters_of, lora_of, quota_of, residency_of, served_call
 from gateway.schemas import ChatCompletionBody, CompletionBody, EmbeddingBody
 from gateway.streams import EventChannel, RequestWatch
 from gateway.structured_fields import checked_constraint
 from gateway.tenants import Tenant, tenant_of
 from gateway.tools import ToolPlan, check_tool_constraint, tool_plan, with_tool_constraint
 from models.step_io import LoraRequest, SamplingParams
-
-
-def _router(request: Request[Any, Any, Any]) -> Router:
-    return request.app.state.router  # type: ignore[no-any-return]
-
-
-def _residency(request: Request[Any, Any, Any]) -> Residency:
-    return request.app.state.residency  # type: ignore[no-any-return]
-
-
-def _adapters(request: Request[Any, Any, Any]) -> Adapters:
-    return request.app.state.adapters  # type: ignore[no-any-return]
-
-
-def _quotas(request: Request[Any, Any, Any]) -> QuotaBook:
-    return request.app.state.quotas  # type: ignore[no-any-return]
-
-
-def _quota(request: Request[Any, Any, Any]) -> QuotaLease | None:
-    """This HTTP request's hold on its API key's quotas (set by :func:`_served_call`; ``None``: none)."""
-    return getattr(request.state, "quota", None)
-
-
-def _lora(request: Request[Any, Any, Any]) -> LoraRequest | None:
-    """The LoRA adapter this HTTP request's generations run with (set by :func:`_served_call`)."""
-    return getattr(request.state, "lora", None)
-
-
-async def _served_call(
-    request: Request[Any, Any, Any], body: Any, task: str, arrival_s: float, handler: Callable[..., Awaitable[Any]]
-) -> Any:
-    """Check ``body``'s model (404, as unknown, for one the caller's API key may not use; 400
-    ``wrong_task``), priority (the tenant's default when it names none) and timeout, then run
-    ``handler(request, router, served, body, arrival_s, deadline_s)`` (``body.priority``
-    resolved) on the served model, loaded first when it is not (the wait counts against the
-    deadline), under a lease that keeps an eviction from draining it before its requests are
-    queued. A LoRA adapter's id runs on its base model with the adapter (read first when it is
-    not), leased until the response ends. An API key's quotas admit the request (429 over one)
-    before the model is loaded, and hold it until the response ends (:mod:`gateway.quotas`)."""
-    tenant = tenant_of(request.scope)
-    if not tenant.may_use(body.model):
-        raise model_not_found(body.model)
-    router = _router(request)
-    leased = await _adapters(request).lease(body.model, task)
-    name, adapter = (body.model, None) if leased is None else leased
-    quota: QuotaLease | None = None
-    try:
-        model = _residency(request).model_config(name, task)
-        body = body.model_copy(update={"priority": resolve_priority(router, tenant, body)})
-        deadline_s = resolve_deadline_s(model, body.timeout, arrival_s)
-        request.state.lora = None if adapter is None else adapter.lora
-        quota = request.state.quota = _quotas(request).admit(tenant)
-        async with _residency(request).serving(name, deadline_s) as served:
-            response = await handler(request, router, served, body, arrival_s, deadline_s)
-    except BaseException:
-        if adapter is not None:
-            adapter.release()
-        if quota is not None:
-            quota.release()
-        raise
-    response = _with_adapter(response, adapter, name)
-    return response if quota is None else quota.settle(response)
-
-
-def _with_adapter(response: Any, adapter: AdapterLease | None, name: str) -> Any:
-    """``response`` of a request run with ``adapter`` on the base model ``name``: the adapter is
-    released when the response ends and the response names it as its model."""
-    if adapter is None:
-        return response
-    if isinstance(response, Stream):
-        response.iterator = _adapter_chunks(response.iterator, adapter, name)
-        return response
-    adapter.release()
-    if isinstance(response.content, dict) and "model" in response.content:
-        response.content["model"] = adapter.lora.name  # as vLLM answers: the id the client asked for
-    return response
-
-
-async def _adapter_chunks(chunks: Any, adapter: AdapterLease, base: str) -> AsyncIterator[Any]:
-    """``chunks`` (a streaming body's SSE events) naming the adapter as their ``model``, releasing
-    ``adapter`` when they end, fail or are dropped. The envelope's ``"model": "<base>"`` is the
-    only place that text can stand unescaped in an event's JSON (a string's quotes are escaped)."""
-    field = f'"model": {json.dumps(base, ensure_ascii=False)}'
-    named = f'"model": {json.dumps(adapter.lora.name, ensure_ascii=False)}'
-    try:
-        async for chunk in chunks:
-            yield chunk.replace(field, named, 1) if isinstance(chunk, str) else chunk
-    finally:
-        adapter.release()
 
 
 class OpenAIController(Controller):
@@ -130,10 +41,10 @@ class OpenAIController(Controller):
     async def list_models(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
         """Every servable model, loaded or not, as :func:`model_card` describes it, and every
         adapter; only those the caller's API key may use."""
-        residency = _residency(request)
+        residency = residency_of(request)
         cards = [model_card(residency, m) for m in list(residency.engine.config.models)]
         model_ids = {card["id"] for card in cards}  # a model wins over an adapter of its name: listed once
-        cards += [adapter_card(residency, r, e.name, e.path) for r in _adapters(request).registries() for e in r.entries()
+        cards += [adapter_card(residency, r, e.name, e.path) for r in adapters_of(request).registries() for e in r.entries()
                   if e.name not in model_ids]
         tenant = tenant_of(request.scope)
         return {"object": "list", "data": [card for card in cards if tenant.may_use(card["id"])]}
@@ -143,12 +54,12 @@ class OpenAIController(Controller):
         """One servable model (a name may hold ``/``). Raises APIError 404 for an unknown one, and
         for one the caller's API key may not use."""
         name = model_id.lstrip("/")
-        residency = _residency(request)
+        residency = residency_of(request)
         if not tenant_of(request.scope).may_use(name):
             raise model_not_found(name)
         model = next((m for m in residency.engine.config.models if m.name == name), None)
         if model is None:
-            found = _adapters(request).find(name)
+            found = adapters_of(request).find(name)
             if found is None:
                 raise model_not_found(name)
             return adapter_card(residency, found[0], name, found[1].path)
@@ -158,7 +69,7 @@ class OpenAIController(Controller):
     async def completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
         arrival_s = time.monotonic()
         body = await parse_body(request, CompletionBody)
-        return await _served_call(request, body, "generate", arrival_s, self._completions)  # type: ignore[no-any-return]
+        return await served_call(request, body, "generate", arrival_s, self._completions)  # type: ignore[no-any-return]
 
     async def _completions(
         self, request: Request[Any, Any, Any], router: Router, served: ServedModel, body: CompletionBody,
@@ -179,7 +90,7 @@ class OpenAIController(Controller):
     async def chat_completions(self, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
         arrival_s = time.monotonic()
         body = await parse_body(request, ChatCompletionBody)
-        return await _served_call(request, body, "generate", arrival_s, self._chat_completions)  # type: ignore[no-any-return]
+        return await served_call(request, body, "generate", arrival_s, self._chat_completions)  # type: ignore[no-any-return]
 
     async def _chat_completions(
         self, request: Request[Any, Any, Any], router: Router, served: ServedModel, body: ChatCompletionBody,
@@ -202,7 +113,7 @@ class OpenAIController(Controller):
     async def embeddings(self, request: Request[Any, Any, Any]) -> Response[Any]:
         arrival_s = time.monotonic()
         body = await parse_body(request, EmbeddingBody)
-        return await _served_call(request, body, "embed", arrival_s, self._embeddings)  # type: ignore[no-any-return]
+        return await served_call(request, body, "embed", arrival_s, self._embeddings)  # type: ignore[no-any-return]
 
     async def _embeddings(
         self, request: Request[Any, Any, Any], router: Router, served: ServedModel, body: EmbeddingBody,
@@ -299,7 +210,7 @@ async def _generate(
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             channel = EventChannel(http_request.app.state.metrics.event_timings)
             tenant = tenant_of(http_request.scope)
-            build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s, tenant, _lora(http_request))
+            build = _request_factory(body, params, request_id, channel, arrival_s, deadline_s, tenant, lora_of(http_request))
             request = await router.submit(served, prompt, budget, deadline_s, build, body.n, (tenant.name, tenant.weight))
             assert isinstance(request, GenerationRequest)
             sources.append(PromptSource(request, channel, text, p * body.n))
@@ -307,7 +218,7 @@ async def _generate(
         for queued in sources:
             queued.request.cancel()  # the batcher drops them unrun
         raise
-    meter(_quota(http_request), lambda: sum(s.request.num_prompt_tokens + s.num_completion_tokens for s in sources))
+    meter(quota_of(http_request), lambda: sum(s.request.num_prompt_tokens + s.num_completion_tokens for s in sources))
     watch = RequestWatch([s.request for s in sources], [s.channel for s in sources], deadline_s, http_request.receive)
     firsts = await first_events(served, sources, watch)
     headers = timing_headers(sources[0].request)
@@ -388,7 +299,7 @@ async def _echo_only(
             raise invalid_request("The prompt tokenizes to no tokens", param=prompt.param)
         router.route(served, len(ids), 0, prompt.param)
         num_prompt_tokens += len(ids)
-    meter(_quota(http_request), lambda: num_prompt_tokens)
+    meter(quota_of(http_request), lambda: num_prompt_tokens)
     response_id = f"{fmt.id_prefix}-{request_id_of(http_request.scope)}"
     texts = [text for _, text in prompts]
     out = EchoOnlyResponse(served, response_id, texts, num_prompt_tokens, body.n, fmt)
