@@ -33,6 +33,7 @@ BENCH_COMMANDS = (
     ("peers", "bench.peers", "Sluice, llama-server, vLLM CPU and transformers serve on one workload, side by side"),
     ("token-path", "bench.token_path", "where a served token's time goes (step phases, event loop) against the bare decode step"),
     ("loading", "bench.model_loading", "models loaded on demand: cold load, eviction, what loads cost a model serving, RSS"),
+    ("auth", "bench.auth_cost", "microseconds per request of the API-key check (1 to 1,000 keys) and of quota book-keeping"),
     ("fairness", "bench.fairness", "tenants sharing a bucket with and without fair share; low-priority streams under urgent load"),
     ("lora", "bench.lora", "decode throughput with 0, 1, 4 and 8 LoRA adapters in the batch; a cold adapter's first TTFT"),
 )
