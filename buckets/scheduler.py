@@ -24,8 +24,8 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    policy chooses it, with its KV copied to the host pool first and back when it resumes;
 3. waiting sequences join while blocks and budget allow, reusing prefix-cached blocks (a long
    prompt runs as a first chunk): first those that sampled nothing for over ``max_starvation_s /
-   2``, preempting running ones not starved (the only ones to join after a step-2 preemption);
-   then by priority band, fair share between tenants by tokens computed, aging; one finding no
+   2`` while a more urgent one heads the queue, preempting running ones of a more urgent priority
+   not starved themselves (the only ones to join after a step-2 preemption); then by priority band, fair share between tenants by tokens computed, aging; one finding no
    seat or blocks preempts a running sequence (never a starved one) of a less urgent priority,
    else, of its own priority, one of a tenant over its share of ``max_num_seqs`` when its own
    tenant is under its share (:mod:`policies.fair_share`).
@@ -352,13 +352,16 @@ class Scheduler:
         return num_preempted
 
     def _schedule_waiting(self, scheduled: dict[int, tuple[Sequence, int]], budget: _StepBudget, is_starved_only: bool = False) -> None:
-        """Admit waiting sequences while seats, budget and blocks allow, starved ones first (only
-        them: ``is_starved_only``), preempting for them (:meth:`_make_room`); one whose LoRA
-        adapter finds no slot is passed over (see the module's docstring)."""
+        """Admit waiting sequences while seats, budget and blocks allow, first those starved
+        behind a more urgent head (only them: ``is_starved_only``), then in the queue's order,
+        preempting for them (:meth:`_make_room`); one whose LoRA adapter finds no slot is passed
+        over (see the module's docstring)."""
         passed_over: list[Sequence] = []
         starved_before_s = self.clock() - self.settings.max_starvation_s / 2
+        is_floor_open = True  # until a starved sequence finds no room: then the head may still preempt
         while self.waiting and budget.has_prefill_room:
-            starved = self.waiting.starved(starved_before_s)
+            head_priority = self.waiting.peek().request.priority
+            starved = self.waiting.starved(starved_before_s, less_urgent_than=head_priority) if is_floor_open else None
             if starved is not None and starved.lora is not None and not self._can_take_slot(starved):
                 starved = None  # a slot comes free as the running adapters drain (the passed-over rule)
             if starved is None and is_starved_only:
@@ -376,6 +379,9 @@ class Scheduler:
                     admitted = self._admit(seq, budget)
                 if admitted is None and not self._make_room(seq, starved is not None, starved_before_s, scheduled, budget):
                     break
+            if admitted is None and starved is not None and not is_starved_only:
+                is_floor_open = False
+                continue
             if admitted is None:
                 break
             self.waiting.remove(seq)
@@ -394,12 +400,16 @@ class Scheduler:
         budget: _StepBudget,
     ) -> bool:
         """Preempt one running sequence for ``seq``, which finds no seat or blocks, never one
-        starved (no progress since ``starved_before_s``): for a starved ``seq``, any other; else
+        starved (no progress since ``starved_before_s``): for a starved ``seq``, one of a more
+        urgent priority; else
         one of a less urgent priority (:func:`policies.fair_share.priority_victims`, as vLLM's
         priority policy preempts), else, with ``fair_share``, one of the same priority of the
         tenant :func:`fair_share_victim` names. Whether one was."""
         movable = [s for s in self.running if s.progress_s >= starved_before_s]
-        candidates = movable if is_starved else priority_victims(seq.request.priority, movable)
+        if is_starved:  # the floor: against more urgent priorities only (see policies.fair_share)
+            candidates = [s for s in movable if s.request.priority < seq.request.priority]
+        else:
+            candidates = priority_victims(seq.request.priority, movable)
         if not candidates and self.settings.fair_share:
             eligible = [s for s in movable if s.request.priority == seq.request.priority]
             seats = [(s.request.tenant, 1 + len(s.forks)) for s in self.running]

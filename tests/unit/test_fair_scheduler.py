@@ -173,3 +173,25 @@ def batches_of(fair_share: bool) -> list[list[str]]:
 def test_the_dynamic_batcher_forms_batches_fairly_between_tenants() -> None:
     assert batches_of(fair_share=True) == [["a", "b"], ["a", "b"], ["a", "a"]]
     assert batches_of(fair_share=False) == [["a", "a"], ["a", "a"], ["b", "b"]]
+
+
+def test_within_one_priority_an_overloaded_queue_waits_its_turn_without_preemptions() -> None:
+    clock = FakeClock()
+    scheduler = make_scheduler(max_num_seqs=2, num_blocks=512, clock=clock, max_starvation_s=1.0)
+    add(scheduler, "a", 6, max_tokens=40)
+    for _ in range(100):  # 10 s: the queued ones wait far past max_starvation_s behind older ones
+        step(scheduler)
+        clock.advance(0.1)
+    assert scheduler.counters.num_preemptions == 0
+
+
+def test_a_starved_sequence_that_finds_no_room_lets_an_urgent_head_in() -> None:
+    clock = FakeClock()
+    scheduler = make_scheduler(max_num_seqs=2, num_blocks=512, clock=clock, max_starvation_s=1.0)
+    add(scheduler, "a", 3, max_tokens=100, priority=10)
+    for _ in range(20):  # 2 s: the third low one is starved; nothing running is more urgent than it
+        step(scheduler)
+        clock.advance(0.1)
+    (urgent,) = add(scheduler, "a", 1, priority=0)
+    step(scheduler)
+    assert urgent in scheduler.running

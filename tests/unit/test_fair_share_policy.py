@@ -184,3 +184,14 @@ def test_with_one_tenant_the_fair_refusal_is_the_plain_one() -> None:
         plain = refusal_reason(*limits)
         fair = fair_refusal_reason(*limits, (limits[0], limits[1]), 1.0, [])
         assert (plain is None) == (fair is None)
+
+
+def test_starved_with_less_urgent_than_skips_the_more_urgent_ones() -> None:
+    queue: FairQueue[str] = FairQueue(aging_s=10.0)
+    queue.push("urgent-old", 0, arrival_s=0.0)
+    queue.push("low-old", 5, arrival_s=1.0)
+    queue.push("low-new", 5, arrival_s=8.0)
+    assert queue.starved(5.0) == "urgent-old"
+    assert queue.starved(5.0, less_urgent_than=0) == "low-old"
+    assert queue.starved(5.0, less_urgent_than=5) is None
+    assert queue.starved(0.5, less_urgent_than=0) is None
