@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 import yaml
+from litestar.utils import normalize_path
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.config import ApiKeyConfig, AuthConfig, GatewayConfig
@@ -237,7 +238,10 @@ def warn_if_open(config: GatewayConfig, host: str, environ: dict[str, str] | Non
 def needs_key(path: str, protect_metrics: bool) -> bool:
     """Whether a request to ``path`` needs an API key: ``/v1/*`` (but the adapter routes behind
     the admin token), the tokenizer routes, and with ``protect_metrics`` ``/metrics``, ``/stats``
-    and ``/dashboard*``. ``/health`` and ``/admin/*`` (its own token) never do."""
+    and ``/dashboard*``. ``/health`` and ``/admin/*`` (its own token) never do. ``path`` is
+    normalised as litestar's router does before it routes (repeated and trailing slashes
+    dropped), so ``//v1/models`` or ``/tokenize/`` needs the key that the route it reaches needs."""
+    path = normalize_path(path)
     if path.startswith("/v1/") or path == "/v1":
         return path not in ADMIN_V1_PATHS
     if path in TOKENIZER_PATHS:

@@ -171,6 +171,15 @@ def test_which_paths_need_a_key() -> None:
     assert not needs_key("/health", protect_metrics=True)
 
 
+def test_paths_the_router_normalises_need_a_key_as_theirs_do() -> None:
+    # litestar routes "//v1/models" as "/v1/models" and "/tokenize/" as "/tokenize": neither may skip the key.
+    for path in ("//v1/models", "///v1/completions", "/tokenize/", "//detokenize", "/v1/models/"):
+        assert needs_key(path, protect_metrics=False), path
+    assert needs_key("/metrics/", protect_metrics=True) and needs_key("//stats", protect_metrics=True)
+    assert not needs_key("/v1/load_lora_adapter/", protect_metrics=False)
+    assert not needs_key("//health/", protect_metrics=True)
+
+
 def _serve(keys: KeyRing, path: str, authorization: str | None) -> tuple[int, dict[bytes, bytes], Tenant | None]:
     """One request through :class:`ApiKeys` around an app that answers 200: (status, headers,
     the tenant the app saw, ``None`` when it was not called)."""
