@@ -160,6 +160,9 @@ class DynamicBatcher:
         starved_before_s = now - self.settings.max_starvation_s / 2
         while self._queue and len(batch) < self.settings.max_batch_size:
             request = self._queue.starved(starved_before_s) or self._queue.peek()
+            if not request.is_cancelled and not is_expired(request.deadline_s, now):
+                # Charged while still active: once no tenant is, the counter forgets them all.
+                self.fair.charge(request.tenant, request.num_prompt_tokens, request.tenant_weight)
             self._leave(request)
             if request.is_cancelled:
                 self._counters.count_cancelled(request)
@@ -169,7 +172,6 @@ class DynamicBatcher:
                 request.emit(ErrorEvent(DeadlineExceededError(f"the request's deadline passed after {waited_s:.3f} s queued")))
             else:
                 request.timeline["started"] = now
-                self.fair.charge(request.tenant, request.num_prompt_tokens, request.tenant_weight)
                 self._tokens_by_tenant[request.tenant] += request.num_prompt_tokens
                 batch.append(request)
         return batch

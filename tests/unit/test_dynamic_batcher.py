@@ -215,3 +215,16 @@ def test_shutdown_fails_queued_requests() -> None:
         assert isinstance(event, ErrorEvent) and isinstance(event.error, ShuttingDownError)
     assert runner.calls == []
     assert batcher.seconds_until_ready(clock()) is None
+
+
+def test_an_idle_batcher_remembers_no_tenants_counter() -> None:
+    # VirtualTokenCounter drops every counter once no tenant is active; a request charged after it
+    # left the queue would be remembered by an idle bucket (and lifted on its tenant's return).
+    batcher, runner, _ = make_batcher(max_batch_size=4, max_queue_delay_ms=0.0)
+    requests = make_requests(3)
+    for request, tenant in zip(requests, ("a", "b", "a")):
+        request.tenant = tenant
+    submit_all(batcher, requests)
+    batcher.step()
+    assert runner.batch_sizes == [3]
+    assert batcher.fair.num_remembered == 0
