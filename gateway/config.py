@@ -440,7 +440,8 @@ class ApiKeyConfig(_Strict):
     key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     # Model ids and adapter ids this key may use; None: all. Others answer 404 as if unknown.
     models: list[str] | None = None
-    # The priority of this tenant's requests that name none (None: 0, as without auth).
+    # The priority of this tenant's requests that name none (None: 0, as without auth, or max_priority
+    # when 0 is more urgent than that); never more urgent than max_priority.
     priority: int | None = None
     # The most urgent priority (the lowest number) a request of this tenant may ask; None: any.
     max_priority: int | None = None
@@ -451,6 +452,13 @@ class ApiKeyConfig(_Strict):
     # Prompt + generated tokens a minute, generated tokens charged as they are produced.
     tokens_per_minute: int | None = Field(default=None, ge=1)
     max_concurrent_requests: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _priority_within_max(self) -> "ApiKeyConfig":
+        if self.priority is not None and self.max_priority is not None and self.priority < self.max_priority:
+            raise ValueError(f"priority: {self.priority} is more urgent than the key's max_priority {self.max_priority} "
+                             "(lower is more urgent)")
+        return self
 
 
 class AuthConfig(_Strict):

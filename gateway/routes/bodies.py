@@ -94,14 +94,17 @@ def check_priority(router: Router, priority: int) -> None:
 
 def resolve_priority(router: Router, tenant: Tenant, body: CompletionBody | ChatCompletionBody | EmbeddingBody) -> int:
     """The request's priority: the body's when it names one (``null`` names none), else the
-    tenant's default (:attr:`Tenant.priority`; 0 without one).
+    tenant's default (:attr:`Tenant.priority`; without one 0, or the tenant's ``max_priority``
+    when 0 is more urgent than it may ask).
 
     Raises:
         APIError: 400 (``priority``) outside the configured range (``priority_out_of_range``)
             or more urgent (lower) than the tenant's ``max_priority`` (``priority_not_allowed``).
     """
     if "priority" not in body.model_fields_set:
-        return 0 if tenant.priority is None else tenant.priority
+        if tenant.priority is not None:
+            return tenant.priority
+        return 0 if tenant.max_priority is None else max(0, tenant.max_priority)
     check_priority(router, body.priority)
     if tenant.max_priority is not None and body.priority < tenant.max_priority:
         raise invalid_request(

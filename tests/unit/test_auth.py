@@ -19,7 +19,7 @@ import yaml
 import gateway.auth
 from gateway.auth import ApiKeys, KeyRing, key_sha256, needs_key, read_keys_file, warn_if_open
 from gateway.cli import main
-from gateway.config import GatewayConfig
+from gateway.config import ApiKeyConfig, GatewayConfig
 from gateway.errors import APIError, ConfigError
 from gateway.metrics import Metrics
 from gateway.routes.bodies import resolve_priority
@@ -219,6 +219,15 @@ def test_priority_defaults_to_the_tenants_and_is_bounded_by_its_max() -> None:
     with pytest.raises(APIError) as urgent:
         resolve_priority(router, tenant, CompletionBody.model_validate({"model": "m", "prompt": "x", "priority": -3}))
     assert (urgent.value.status_code, urgent.value.param, urgent.value.code) == (400, "priority", "priority_not_allowed")
+
+
+def test_a_keys_default_priority_is_never_more_urgent_than_its_max() -> None:
+    router: Any = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(min_priority=-10, max_priority=10)))
+    body = CompletionBody.model_validate({"model": "m", "prompt": "x"})
+    assert resolve_priority(router, Tenant("t", max_priority=5), body) == 5  # not the API's 0, which it may not ask
+    assert resolve_priority(router, Tenant("t", max_priority=-5), body) == 0
+    with pytest.raises(ValueError, match="priority"):
+        ApiKeyConfig(name="t", key_sha256="0" * 64, priority=0, max_priority=5)
 
 
 def test_serve_on_a_network_host_without_keys_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
