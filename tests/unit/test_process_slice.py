@@ -72,7 +72,7 @@ def test_a_generation_request_crosses_whole() -> None:
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=4, seed=7)
     request = GenerationRequest(
         "cmpl-1", [1, 2, 3], sink=lambda e: None, priority=-2, deadline_s=123.5, max_tokens=9, params=params,
-        stop=("\n", "END"), ignore_eos=True,
+        stop=("\n", "END"), ignore_eos=True, tenant="acme", tenant_weight=2.5,
     )
     request.timeline["arrival"] = 100.0
     request.info["bucket"] = "le16"
@@ -84,15 +84,17 @@ def test_a_generation_request_crosses_whole() -> None:
     assert (copy.request_id, copy.prompt_token_ids, copy.priority, copy.deadline_s) == ("cmpl-1", [1, 2, 3], -2, 123.5)
     assert (copy.max_tokens, copy.params, copy.stop, copy.ignore_eos) == (9, params, ("\n", "END"), True)
     assert copy.timeline == {"arrival": 100.0} and copy.info == {"bucket": "le16"}
+    assert (copy.tenant, copy.tenant_weight) == ("acme", 2.5)  # fair share and the tenant label in the worker
     copy.emit(TokenEvent("a", [5], None, 3, 1))
     assert events == [TokenEvent("a", [5], None, 3, 1)]
 
 
 def test_an_embedding_request_crosses_whole() -> None:
-    request = EmbeddingRequest("emb-1", [7, 8], sink=lambda e: None)
+    request = EmbeddingRequest("emb-1", [7, 8], sink=lambda e: None, tenant="acme", tenant_weight=0.5)
     copy = decode_request(encode_request(0, request), lambda e: None)
     assert isinstance(copy, EmbeddingRequest) and not isinstance(copy, GenerationRequest)
     assert copy.prompt_token_ids == [7, 8] and copy.deadline_s is None
+    assert (copy.tenant, copy.tenant_weight) == ("acme", 0.5)
 
 
 @pytest.mark.parametrize(
