@@ -250,8 +250,10 @@ def needs_key(path: str, protect_metrics: bool) -> bool:
 
 
 def _authorization(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The first ``Authorization`` header, as UTF-8 (:func:`key_sha256` hashes a key's UTF-8
+    text); bytes that are not UTF-8 become U+FFFD, so they match no key."""
     value = next((v for k, v in headers if k.lower() == b"authorization"), None)
-    return None if value is None else value.decode("latin-1")
+    return None if value is None else value.decode("utf-8", "replace")
 
 
 class ApiKeys:

@@ -19,7 +19,7 @@ import yaml
 import gateway.auth
 from gateway.auth import ApiKeys, KeyRing, key_sha256, needs_key, read_keys_file, warn_if_open
 from gateway.cli import main
-from gateway.config import ApiKeyConfig, GatewayConfig
+from gateway.config import ApiKeyConfig, AuthConfig, GatewayConfig
 from gateway.errors import APIError, ConfigError
 from gateway.metrics import Metrics
 from gateway.routes.bodies import resolve_priority
@@ -193,7 +193,7 @@ def _serve(keys: KeyRing, path: str, authorization: str | None) -> tuple[int, di
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    headers = [] if authorization is None else [(b"authorization", authorization.encode("utf-8", "surrogateescape"))]
     scope = {"type": "http", "path": path, "headers": headers}
     asyncio.run(ApiKeys(app, keys)(scope, None, send))
     return sent[0]["status"], dict(sent[0]["headers"]), seen[0] if seen else None
@@ -207,6 +207,15 @@ def test_the_middleware_leaves_the_tenant_in_the_scope_or_answers_401(tmp_path: 
     assert status == 200 and tenant is not None and tenant.name == "bob"
     assert _serve(ring, "/health", None)[1:] == ({}, ANONYMOUS)
     assert SCOPE_KEY == "sluice.tenant"
+
+
+def test_a_non_ascii_key_matches_its_utf8_hash(tmp_path: Path) -> None:
+    # key_sha256 hashes a key's UTF-8 text, and clients (curl) send it as UTF-8 bytes.
+    key = "sk-clé-ключ"
+    ring = KeyRing(AuthConfig(api_keys=[ApiKeyConfig(name="u", key_sha256=key_sha256(key))]), -10, 10)
+    status, _, tenant = _serve(ring, "/v1/models", f"Bearer {key}")
+    assert status == 200 and tenant is not None and tenant.name == "u"
+    assert _serve(ring, "/v1/models", "Bearer sk-\udcff")[0] == 401  # not UTF-8: no key of ours
 
 
 def test_priority_defaults_to_the_tenants_and_is_bounded_by_its_max() -> None:
