@@ -183,11 +183,12 @@ class KeyRing:
         return sorted(self._names)
 
     def reload_quietly(self) -> None:
-        """:meth:`reload` for a signal handler: a bad file is logged (by :meth:`reload`), not raised."""
+        """:meth:`reload` for a signal handler: a bad file (or none to reload) is logged, not raised."""
         try:
             self.reload()
-        except ConfigError:
-            pass
+        except ConfigError as exc:
+            if exc.code == "no_keys_file":  # a bad file is logged by reload
+                log.error("api_keys_reload_failed", error=str(exc), num_keys=len(self._entries))
 
     def tenant_names(self) -> frozenset[str]:
         """The configured tenants' names (the ``tenant`` metric label's values, with ``anonymous``)."""

@@ -50,9 +50,11 @@ class KeysController(Controller):
 @contextlib.contextmanager
 def reloading_on_sighup(keys: KeyRing | None) -> Iterator[None]:
     """While inside, SIGHUP reloads ``keys``' file (:meth:`KeyRing.reload_quietly`, on the event
-    loop); the handler is removed on exit. Nothing is installed without a keys file, nor where
-    the loop cannot take signal handlers (not the main thread, or not Unix)."""
-    if keys is None or keys.keys_file is None:
+    loop; with keys but no keys file it logs that there is none to reload, rather than ending
+    the gateway as SIGHUP's default action would); the handler is removed on exit. Nothing is
+    installed without keys, nor where the loop cannot take signal handlers (not the main
+    thread, or not Unix)."""
+    if keys is None:
         yield
         return
     loop = asyncio.get_running_loop()

@@ -8,6 +8,8 @@ import asyncio
 import hashlib
 import hmac
 import io
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +19,7 @@ import structlog
 import yaml
 
 import gateway.auth
+import gateway.key_routes
 from gateway.auth import ApiKeys, KeyRing, key_sha256, needs_key, read_keys_file, warn_if_open
 from gateway.cli import main
 from gateway.config import ApiKeyConfig, AuthConfig, GatewayConfig
@@ -276,3 +279,22 @@ def test_the_tenant_label_holds_configured_names_and_anonymous_only() -> None:
     assert 'sluice_tenant_requests_total{model="gen",outcome="ok",tenant="alice"} 1.0' in text
     assert 'sluice_tenant_requests_total{model="gen",outcome="ok",tenant="anonymous"} 1.0' in text
     assert "removed-by-reload" not in text
+
+
+def test_sighup_with_keys_but_no_keys_file_logs_instead_of_ending_the_gateway() -> None:
+    # `sluice keys add --append` says "reload with SIGHUP": without a keys file SIGHUP's default
+    # action would end the process; it logs that there is no file to reload instead.
+    ring = KeyRing(AuthConfig(api_keys=[ApiKeyConfig(name="u", key_sha256="0" * 64)]), -10, 10)
+
+    async def send_sighup(logs: list[Any]) -> None:
+        with gateway.key_routes.reloading_on_sighup(ring):
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(1000):  # until the loop has run the handler it woke for
+                if logs:
+                    break
+                await asyncio.sleep(0)
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(send_sighup(logs))
+    assert [entry["event"] for entry in logs] == ["api_keys_reload_failed"]
+    assert "SLUICE_API_KEYS_FILE" in logs[0]["error"]
