@@ -377,7 +377,8 @@ class Scheduler:
                 num_seats = self._num_seats()
                 if not num_seats or num_seats + 1 + len(seq.forks) <= self.settings.max_num_seqs:  # all its choices, or the whole room
                     admitted = self._admit(seq, budget)
-                if admitted is None and not self._make_room(seq, starved is not None, starved_before_s, scheduled, budget):
+                if admitted is None and (self._lacks_budget(seq, budget) or not self._make_room(
+                        seq, starved is not None, starved_before_s, scheduled, budget)):
                     break
             if admitted is None and starved is not None and not is_starved_only:
                 is_floor_open = False
@@ -390,6 +391,13 @@ class Scheduler:
             budget.take(seq.num_computed_tokens, admitted[0], admitted[1])
         for seq in passed_over:
             self._enqueue(seq)
+
+    def _lacks_budget(self, seq: Sequence, budget: _StepBudget) -> bool:
+        """Whether waiting ``seq`` gets no tokens from what is left of the step's budget (no
+        preemption helps then); a fresh one counted from position 0 (cached prefix blocks only
+        make its chunk start later)."""
+        position = seq.num_computed_tokens if seq.status is SequenceStatus.SWAPPED else 0
+        return budget.room(seq, position, self._is_prefill(seq) if position else True) == 0
 
     def _num_seats(self) -> int:
         """Seats taken: running sequences and the pending forks of those still prefilling."""

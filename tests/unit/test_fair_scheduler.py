@@ -16,6 +16,7 @@ from buckets.settings import DynamicBatcherSettings
 from models.step_io import ForwardOutput
 from tests.factories import FakeClock, make_request, make_requests, make_scheduler, make_sequence
 from tests.unit.test_dynamic_batcher import FakeRunner
+from tests.unit.test_scheduler_stall_free import stall_free_scheduler, step as stall_free_step
 
 
 def add(scheduler: Scheduler, tenant: str, num: int, max_tokens: int = 100, priority: int = 0, prompt_len: int = 4) -> list[Sequence]:
@@ -195,3 +196,16 @@ def test_a_starved_sequence_that_finds_no_room_lets_an_urgent_head_in() -> None:
     (urgent,) = add(scheduler, "a", 1, priority=0)
     step(scheduler)
     assert urgent in scheduler.running
+
+
+def test_an_urgent_request_short_of_step_budget_preempts_nothing() -> None:
+    scheduler = stall_free_scheduler(target_step_s=0.050)
+    for i in range(4):
+        scheduler.add(make_sequence(make_request(8, max_tokens=1000, name=f"d{i}", first_token=100 * i + 1, priority=5)))
+    stall_free_step(scheduler)
+    scheduler.add(make_sequence(make_request(600, max_tokens=4, name="long", first_token=1000, priority=5)))
+    stall_free_step(scheduler)
+    stall_free_step(scheduler)
+    scheduler.add(make_sequence(make_request(8, max_tokens=4, name="u", first_token=5000, priority=0)))
+    stall_free_step(scheduler)  # the long prompt's chunk took the prefill room: the urgent one waits a step
+    assert scheduler.counters.num_preemptions == 0
