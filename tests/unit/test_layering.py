@@ -52,9 +52,11 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
 # benchmark (bench/gate_load.py) starts the gateway's command with a gate run the way it ran
 # before its child process: it uses the gate's API (what ``sluice gate`` runs) and its seam. The
 # KV dtype benchmark (bench/kv_dtype.py) calls the paged-attention kernel and the KV pool's
-# quantizer directly, and the KV accuracy measure the gate uses.
+# quantizer directly, and the KV accuracy measure the gate uses. The auth benchmark
+# (bench/auth_cost.py) times the API-key check and a request's quota book-keeping in process.
 ENGINE_PUBLIC_API = frozenset({
     "gateway.engine", "gateway.config", "gateway.build", "gateway.memory",
+    "gateway.auth", "gateway.quotas", "gateway.tenants",
     "gateway.cli", "gateway.gate", "gateway.gate_process",
     "models.loader", "models.source", "models.cpu_memory", "models.causal_lm", "models.step_io", "models.logprobs",
     "models.structured", "models.structured_sampling", "models.step_split", "models.lora",
