@@ -24,11 +24,12 @@ Each step, within ``max_num_batched_tokens`` and ``max_num_seqs``:
    policy chooses it, with its KV copied to the host pool first and back when it resumes;
 3. waiting sequences join while blocks and budget allow, reusing prefix-cached blocks (a long
    prompt runs as a first chunk): first those that sampled nothing for over ``max_starvation_s /
-   2`` while a more urgent one heads the queue, preempting running ones of a more urgent priority
-   not starved themselves (the only ones to join after a step-2 preemption); then by priority band, fair share between tenants by tokens computed, aging; one finding no
-   seat or blocks preempts a running sequence (never a starved one) of a less urgent priority,
-   else, of its own priority, one of a tenant over its share of ``max_num_seqs`` when its own
-   tenant is under its share (:mod:`policies.fair_share`).
+   2`` while a more urgent one heads the queue, preempting running ones not starved themselves
+   (the only ones to join after a step-2 preemption); then by priority band, fair share between
+   tenants by tokens computed, aging. One finding no seat, blocks or step budget (then only a
+   prefill chunk of this step is a victim) preempts a running sequence, never a starved one, of
+   a less urgent priority, else, of its own priority, one of a tenant over its share of
+   ``max_num_seqs`` when its own tenant is under its share (:mod:`policies.fair_share`).
 
 With LoRA slots (``max_loras`` > 0), a sequence with an adapter starts running only when its
 adapter is in one of the runner's slots or can take one (:class:`policies.lora_slots.LoraSlots`),
@@ -377,8 +378,8 @@ class Scheduler:
                 num_seats = self._num_seats()
                 if not num_seats or num_seats + 1 + len(seq.forks) <= self.settings.max_num_seqs:  # all its choices, or the whole room
                     admitted = self._admit(seq, budget)
-                if admitted is None and (self._lacks_budget(seq, budget) or not self._make_room(
-                        seq, starved is not None, starved_before_s, scheduled, budget)):
+                if admitted is None and not self._make_room(
+                        seq, starved is not None, starved_before_s, scheduled, budget, self._lacks_budget(seq, budget)):
                     break
             if admitted is None and starved is not None and not is_starved_only:
                 is_floor_open = False
@@ -405,20 +406,20 @@ class Scheduler:
 
     def _make_room(
         self, seq: Sequence, is_starved: bool, starved_before_s: float, scheduled: dict[int, tuple[Sequence, int]],
-        budget: _StepBudget,
+        budget: _StepBudget, lacks_budget: bool,
     ) -> bool:
-        """Preempt one running sequence for ``seq``, which finds no seat or blocks, never one
-        starved (no progress since ``starved_before_s``): for a starved ``seq``, one of a more
-        urgent priority; else
-        one of a less urgent priority (:func:`policies.fair_share.priority_victims`, as vLLM's
-        priority policy preempts), else, with ``fair_share``, one of the same priority of the
-        tenant :func:`fair_share_victim` names. Whether one was."""
+        """Preempt one running sequence for ``seq``, which finds no seat, blocks or step budget,
+        never one starved (no progress since ``starved_before_s``): for a starved ``seq`` (which
+        waits behind a more urgent head) any other; else one of a less urgent priority
+        (:func:`policies.fair_share.priority_victims`, as vLLM's priority policy preempts), else,
+        with ``fair_share``, one of the same priority of the tenant :func:`fair_share_victim`
+        names. Short of budget (``lacks_budget``), only a prefill chunk planned in this step
+        gives its tokens back, so only such a one is preempted. Whether one was."""
         movable = [s for s in self.running if s.progress_s >= starved_before_s]
-        if is_starved:  # the floor: against more urgent priorities only (see policies.fair_share)
-            candidates = [s for s in movable if s.request.priority < seq.request.priority]
-        else:
-            candidates = priority_victims(seq.request.priority, movable)
-        if not candidates and self.settings.fair_share:
+        if lacks_budget:
+            movable = [s for s in movable if s.seq_id in scheduled and self._is_prefill(s)]
+        candidates = movable if is_starved else priority_victims(seq.request.priority, movable)
+        if not candidates and not is_starved and self.settings.fair_share:
             eligible = [s for s in movable if s.request.priority == seq.request.priority]
             seats = [(s.request.tenant, 1 + len(s.forks)) for s in self.running]
             tenants = sorted({s.request.tenant for s in eligible})

@@ -14,27 +14,28 @@ that becomes active is lifted to the smallest counter of the other active tenant
 earns no credit. VTC alone only orders admission: :func:`fair_share_victim` also lets a tenant
 under its share of ``max_num_seqs`` take a seat from one over its share.
 
-Starvation floor (``max_starvation_s``): priority must not starve a request. A waiting sequence
-whose last progress (its arrival, then every token it sampled: a chunk that recomputes a
-preempted sequence's KV is no progress to its client, so one preempted again mid-recompute stays
-first in line, and one recomputing is never the floor's victim) is more than ``max_starvation_s /
-2`` old, while a more urgent sequence would go before it, joins first
-(:meth:`FairQueue.starved` with ``less_urgent_than`` the head's priority), preempting a running
-sequence of a more urgent priority that is not itself starved when seats or blocks lack. Half,
-because the other half covers the step in progress when the threshold passes and the step that
-admits it (each starved sequence is admitted in the first step that plans after it crosses the
-threshold): so every admitted sequence samples a token at least every ``max_starvation_s``
-whatever more urgent requests arrive after it, as long as one step takes under
-``max_starvation_s / 4``, at most ``max_num_seqs`` sequences starve at once, and a recomputing
-sequence's context fits one step's prefill budget (else add the steps its recompute takes; swap
-preemption resumes without recomputing).
+Starvation floor (``max_starvation_s``): priority must not starve a request. While a more
+urgent sequence heads the queue, a waiting sequence whose last progress (its arrival, then every
+token it sampled: a chunk that recomputes a preempted sequence's KV is no progress to its client,
+so one preempted again mid-recompute stays first in line, and one recomputing is never the
+floor's victim) is more than ``max_starvation_s / 2`` old joins first (:meth:`FairQueue.starved`
+with ``less_urgent_than`` the head's priority), preempting a running sequence that is not itself
+starved when seats or blocks lack (one of its own priority too: with more low-priority streams
+than seats, they take turns). Half, because the other half covers the step in progress when the
+threshold passes and the step that admits it (each starved sequence is admitted in the first
+step that plans after it crosses the threshold): so every admitted sequence samples a token at
+least every ``max_starvation_s`` whatever more urgent requests arrive after it, as long as one
+step takes under ``max_starvation_s / 4``, at most ``max_num_seqs`` sequences starve at once,
+and a recomputing sequence's context fits one step's prefill budget (else add the steps its
+recompute takes; swap preemption resumes without recomputing).
 
-Within a priority the floor stands aside: there FIFO and the fair share decide, and a request
-waits only behind its own tenant's earlier requests and the other tenants' shares (VTC bounds
-each backlogged tenant's service). A floor there would turn an overloaded queue into
-preemptions: once the queue's wait passed ``max_starvation_s / 2``, every admission would preempt
-a running sequence to recompute later (measured: a bucket of 8 sequences under 68 closed-loop
-clients served 24 % fewer tokens so). Overload is for admission limits and deadlines.
+With no more urgent request waiting the floor stands aside: within one priority FIFO and the fair
+share decide, and a request waits only behind its own tenant's earlier requests and the other
+tenants' shares (VTC bounds each backlogged tenant's service). A floor there would turn an
+overloaded queue into preemptions: once the queue's wait passed ``max_starvation_s / 2``, every
+admission would preempt a running sequence (measured on a bucket of 8 sequences under 68
+closed-loop clients of one priority: 30 % fewer tokens served). Overload is for admission limits,
+quotas and deadlines.
 """
 
 from __future__ import annotations

@@ -198,14 +198,17 @@ def test_a_starved_sequence_that_finds_no_room_lets_an_urgent_head_in() -> None:
     assert urgent in scheduler.running
 
 
-def test_an_urgent_request_short_of_step_budget_preempts_nothing() -> None:
+def test_an_urgent_request_short_of_step_budget_preempts_only_a_prefill_chunk() -> None:
     scheduler = stall_free_scheduler(target_step_s=0.050)
     for i in range(4):
         scheduler.add(make_sequence(make_request(8, max_tokens=1000, name=f"d{i}", first_token=100 * i + 1, priority=5)))
     stall_free_step(scheduler)
-    scheduler.add(make_sequence(make_request(600, max_tokens=4, name="long", first_token=1000, priority=5)))
+    long = make_sequence(make_request(600, max_tokens=4, name="long", first_token=1000, priority=5))
+    scheduler.add(long)
     stall_free_step(scheduler)
     stall_free_step(scheduler)
-    scheduler.add(make_sequence(make_request(8, max_tokens=4, name="u", first_token=5000, priority=0)))
-    stall_free_step(scheduler)  # the long prompt's chunk took the prefill room: the urgent one waits a step
-    assert scheduler.counters.num_preemptions == 0
+    urgent = make_sequence(make_request(8, max_tokens=4, name="u", first_token=5000, priority=0))
+    scheduler.add(urgent)
+    plan = stall_free_step(scheduler)  # the long prompt's chunk had taken the prefill room: it gives it back
+    assert urgent in plan.scheduled and scheduler.counters.num_preemptions == 1  # not a decode: they hold no prefill room
+    assert sum(s.request.priority == 5 and s is not long for s in plan.scheduled) == 4  # every decode still ran
