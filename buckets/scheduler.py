@@ -63,7 +63,7 @@ from buckets.settings import ContinuousBatcherSettings
 from buckets.swap_space import Swapper
 from models.step_io import ForwardInput, ForwardOutput, LoraRequest, SequenceInput, TokenLogprobs
 from policies.deadlines import is_expired
-from policies.fair_share import FairQueue, VirtualTokenCounter, fair_share_victim, priority_victims
+from policies.fair_share import FairQueue, VirtualTokenCounter, fair_share_victim, priority_victims, under_share_tenants
 from policies.lora_slots import LoraSlots
 from policies.preemption import pick_victim
 from policies.priority import priority_key
@@ -361,13 +361,14 @@ class Scheduler:
         starved_before_s = self.clock() - self.settings.max_starvation_s / 2
         is_floor_open = True  # until a starved sequence finds no room: then the head may still preempt
         while self.waiting and budget.has_prefill_room:
-            head_priority = self.waiting.peek().request.priority
+            first = self._under_share_tenants()
+            head_priority = self.waiting.peek(first).request.priority
             starved = self.waiting.starved(starved_before_s, less_urgent_than=head_priority) if is_floor_open else None
             if starved is not None and starved.lora is not None and not self._can_take_slot(starved):
                 starved = None  # a slot comes free as the running adapters drain (the passed-over rule)
             if starved is None and is_starved_only:
                 break
-            seq = starved or self.waiting.peek()
+            seq = starved or self.waiting.peek(first)
             if starved is None and seq.lora is not None and (passed_over or not self._can_take_slot(seq)):
                 passed_over.append(self.waiting.pop())
                 if len(passed_over) >= MAX_PASSED_OVER:
@@ -392,6 +393,13 @@ class Scheduler:
             budget.take(seq.num_computed_tokens, admitted[0], admitted[1])
         for seq in passed_over:
             self._enqueue(seq)
+
+    def _under_share_tenants(self) -> frozenset[str]:
+        """With ``fair_share``, the tenants under their share of seats (they go first in a band)."""
+        if not self.settings.fair_share:
+            return frozenset()
+        seats = [(s.request.tenant, 1 + len(s.forks)) for s in self.running]
+        return under_share_tenants(seats, self.fair.weights, self.settings.max_num_seqs)
 
     def _lacks_budget(self, seq: Sequence, budget: _StepBudget) -> bool:
         """Whether waiting ``seq`` gets no tokens from what is left of the step's budget (no

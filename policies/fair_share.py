@@ -175,6 +175,28 @@ def priority_victims(priority: int, running: list[S]) -> list[S]:
     return [s for s in running if s.request.priority > priority]
 
 
+def under_share_tenants(seats: list[tuple[str, int]], weights: Mapping[str, float], max_num_seqs: int) -> frozenset[str]:
+    """The active tenants that may take one more seat within their share,
+    ``r_t + 1 <= max_num_seqs * w_t / sum(w)`` (as :func:`fair_share_victim` counts): within a
+    priority they go before the others, whatever the counters say. VTC's order alone makes a
+    tenant whose counter is ahead wait, with a seat of its share free, until the others' counters
+    pass it (a few steps for a closed-loop client's every request, which its TTFT pays); the
+    counters still order the tenants on each side and charge every token.
+
+    Args:
+        seats: ``(tenant, seats held)`` of each running sequence (1 plus its pending forks).
+        weights: the active tenants' weights.
+        max_num_seqs: the bucket's seats.
+    """
+    total_weight = sum(weights.values())
+    if total_weight <= 0 or len(weights) < 2:
+        return frozenset()
+    held: dict[str, int] = {}
+    for name, num in seats:
+        held[name] = held.get(name, 0) + num
+    return frozenset(t for t, w in weights.items() if held.get(t, 0) + 1 <= max_num_seqs * w / total_weight)
+
+
 @dataclass(order=True)
 class _Entry(Generic[T]):
     key: float  # priority_key(priority, arrival_s, aging_s)
@@ -234,7 +256,7 @@ class FairQueue(Generic[T]):
             self._by_progress = [(e.progress_s, e.order, key) for key, e in self._entries.items()]
             heapq.heapify(self._by_progress)
 
-    def _head(self) -> _Entry[T]:
+    def _head(self, first: frozenset[str] = frozenset()) -> _Entry[T]:
         """The entry :meth:`peek` returns. Raises IndexError when empty."""
         if not self._entries:
             raise IndexError("peek from an empty FairQueue")
@@ -242,11 +264,16 @@ class FairQueue(Generic[T]):
         counters = self.counters
         if counters is None or len(band) == 1:
             return min(heap[0] for heap in band.values())
-        return min((heap[0] for heap in band.values()), key=lambda e: (counters.counter(e.group), e.key, e.order))
+        return min(
+            (heap[0] for heap in band.values()),
+            key=lambda e: (e.group not in first, counters.counter(e.group), e.key, e.order),
+        )
 
-    def peek(self) -> T:
-        """The item that goes next. Raises IndexError when empty."""
-        return self._head().item
+    def peek(self, first: frozenset[str] = frozenset()) -> T:
+        """The item that goes next; within its priority band the tenants of ``first`` (those under
+        their share of seats, :func:`under_share_tenants`) before the others. Raises IndexError
+        when empty."""
+        return self._head(first).item
 
     def peek_key(self) -> float | None:
         """The smallest aged key waiting (the most urgent effective priority plus ``now / aging_s``),

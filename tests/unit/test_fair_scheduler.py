@@ -96,14 +96,27 @@ def test_turning_fair_share_off_live_makes_the_queue_one_group() -> None:
 
 def test_three_tenants_with_fractional_shares_settle_without_thrashing() -> None:
     scheduler = make_scheduler(max_num_seqs=8, num_blocks=1024)
-    for tenant in "abc":
-        add(scheduler, tenant, 10)
+    add(scheduler, "a", 10)
+    step(scheduler)
+    assert seats(scheduler) == {"a": 8}
+    add(scheduler, "b", 10)
+    add(scheduler, "c", 10)
     preemptions_after_step = []
     for _ in range(40):
         step(scheduler)
         preemptions_after_step.append(scheduler.counters.num_preemptions)
     assert preemptions_after_step[-1] == preemptions_after_step[4] > 0  # none after the first few steps
     assert sorted(seats(scheduler).values()) == [2, 2, 4]  # shares of 8/3: a seat of slack each side
+
+
+def test_tenants_arriving_together_fill_the_seats_by_share_without_preempting() -> None:
+    scheduler = make_scheduler(max_num_seqs=8, num_blocks=1024)
+    for tenant in "abc":
+        add(scheduler, tenant, 10)
+    for _ in range(10):
+        step(scheduler)
+    assert scheduler.counters.num_preemptions == 0
+    assert min(seats(scheduler).values()) >= 2  # each at least its whole seats of 8/3
 
 
 def run_with_urgent_stream(max_starvation_s: float, num_steps: int = 300) -> tuple[float, int]:

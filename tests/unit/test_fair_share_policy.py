@@ -195,3 +195,20 @@ def test_starved_with_less_urgent_than_skips_the_more_urgent_ones() -> None:
     assert queue.starved(5.0, less_urgent_than=0) == "low-old"
     assert queue.starved(5.0, less_urgent_than=5) is None
     assert queue.starved(0.5, less_urgent_than=0) is None
+
+
+def test_under_share_tenants_go_first_in_their_band_whatever_their_counters() -> None:
+    from policies.fair_share import under_share_tenants
+
+    weights = {"a": 1.0, "b": 1.0}
+    assert under_share_tenants([("a", 1)] * 5 + [("b", 1)] * 3, weights, 8) == frozenset({"b"})
+    assert under_share_tenants([("a", 1)] * 4 + [("b", 1)] * 4, weights, 8) == frozenset()
+    assert under_share_tenants([("a", 1)] * 3, {"a": 1.0}, 8) == frozenset()  # one tenant: nothing to share
+    counters = VirtualTokenCounter()
+    queue: FairQueue[str] = FairQueue(aging_s=10.0, counters=counters)
+    for tenant, item in (("a", "a0"), ("b", "b0")):
+        counters.activate(tenant, 1.0)
+        queue.push(item, 0, arrival_s=0.0, tenant=tenant)
+    counters.charge("b", 50, 1.0)  # b is ahead in tokens
+    assert queue.peek() == "a0"
+    assert queue.peek(frozenset({"b"})) == "b0"  # but under its share of seats
