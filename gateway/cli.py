@@ -55,6 +55,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"sluice: {exc}", file=sys.stderr)
         return 2
     warn_if_open(config, args.host)
+    missing = _missing_source(config)
+    if missing is not None:  # before uvicorn: a startup failure there is a page of tracebacks
+        print(f"sluice: {missing}", file=sys.stderr)
+        return 2
     from models.cpu_memory import keep_freed_memory_in_heap
 
     keep_freed_memory_in_heap()
@@ -68,6 +72,24 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=args.keep_alive_timeout_s,
     )
     return 0
+
+
+def _missing_source(config: GatewayConfig) -> str | None:
+    """The first model this process loads at start whose ``source`` names no local path or
+    installed package (``models.N.source: ...``), or ``None``. Models on Ray slices only are
+    left to their actors (their nodes hold the files)."""
+    from models.errors import ModelSourceError
+    from models.source import resolve_source
+
+    isolation = {s.name: s.isolation for s in config.slices}
+    for index, model in enumerate(config.models):
+        if model.load != "at_start" or all(isolation[b.slice] == "ray" for b in model.buckets):
+            continue
+        try:
+            resolve_source(model.source)
+        except ModelSourceError as exc:
+            return f"models.{index}.source: {exc}"
+    return None
 
 
 def _serve_config(args: argparse.Namespace) -> GatewayConfig:

@@ -254,7 +254,10 @@ def test_serve_on_a_network_host_without_keys_warns_once(tmp_path: Path, monkeyp
     monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: None)
     monkeypatch.setattr("models.cpu_memory.keep_freed_memory_in_heap", lambda: None)
     monkeypatch.delenv("SLUICE_API_KEYS_FILE", raising=False)
-    config_path = str(write_config(tmp_path, make_config_data()))
+    data = make_config_data()
+    for model in data["models"]:
+        model["source"] = str(tmp_path)  # exists (create_app, which would read it, is faked)
+    config_path = str(write_config(tmp_path, data))
     with structlog.testing.capture_logs() as logs:
         assert main(["serve", "--config", config_path, "--host", "0.0.0.0"]) == 0
         assert main(["serve", "--config", config_path]) == 0  # 127.0.0.1

@@ -217,6 +217,8 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[GatewayConfig]:
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
     monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: None)
     monkeypatch.setattr("models.cpu_memory.keep_freed_memory_in_heap", lambda: None)
+    # make_config_data's sources name no files; create_app, which would read them, is faked too.
+    monkeypatch.setattr("models.source.resolve_source", lambda source: Path(source))
     return seen
 
 

@@ -71,8 +71,28 @@ def test_serve_keeps_idle_connections_open_longer_than_clients_do(tmp_path: Path
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append({"app": app, **kwargs}))
     monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: None)
     monkeypatch.setattr("models.cpu_memory.keep_freed_memory_in_heap", lambda: None)
-    config = str(write_config(tmp_path, make_config_data()))
+    data = make_config_data()
+    for model in data["models"]:
+        model["source"] = str(tmp_path)  # a path that exists (create_app, which would read it, is faked)
+    config = str(write_config(tmp_path, data))
     assert main(["serve", "--config", config]) == 0
     assert main(["serve", "--config", config, "--keep-alive-timeout-s", "2.5"]) == 0
     assert [run["timeout_keep_alive"] for run in runs] == [KEEP_ALIVE_TIMEOUT_S, 2.5] and KEEP_ALIVE_TIMEOUT_S > 5
     assert runs[0]["app"] == "app" and runs[0]["host"] == "127.0.0.1"
+
+
+def test_serve_refuses_a_model_source_that_does_not_exist_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import uvicorn
+
+    runs: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append(app))
+    monkeypatch.setattr(gateway.logging, "configure_logging", lambda level: None)
+    data = make_config_data()
+    data["models"][0]["source"] = str(tmp_path)
+    data["models"][1]["source"] = str(tmp_path / "no-such-model")
+    assert main(["serve", "--config", str(write_config(tmp_path, data))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"sluice: models.1.source: source '{tmp_path / 'no-such-model'}': {tmp_path / 'no-such-model'} does not exist"
+    assert runs == []
