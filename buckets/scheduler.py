@@ -362,13 +362,13 @@ class Scheduler:
         is_floor_open = True  # until a starved sequence finds no room: then the head may still preempt
         while self.waiting and budget.has_prefill_room:
             first = self._under_share_tenants()
-            head_priority = self.waiting.peek(first).request.priority
-            starved = self.waiting.starved(starved_before_s, less_urgent_than=head_priority) if is_floor_open else None
+            head = self.waiting.peek(first)
+            starved = self.waiting.starved(starved_before_s, less_urgent_than=head.request.priority) if is_floor_open else None
             if starved is not None and starved.lora is not None and not self._can_take_slot(starved):
                 starved = None  # a slot comes free as the running adapters drain (the passed-over rule)
             if starved is None and is_starved_only:
                 break
-            seq = starved or self.waiting.peek(first)
+            seq = starved or head
             if starved is None and seq.lora is not None and (passed_over or not self._can_take_slot(seq)):
                 passed_over.append(self.waiting.pop())
                 if len(passed_over) >= MAX_PASSED_OVER:
@@ -398,8 +398,11 @@ class Scheduler:
         """With ``fair_share``, the tenants under their share of seats (they go first in a band)."""
         if not self.settings.fair_share:
             return frozenset()
-        seats = [(s.request.tenant, 1 + len(s.forks)) for s in self.running]
-        return under_share_tenants(seats, self.fair.weights, self.settings.max_num_seqs)
+        return under_share_tenants(self._tenant_seats(), self.fair.weights, self.settings.max_num_seqs)
+
+    def _tenant_seats(self) -> list[tuple[str, int]]:
+        """``(tenant, seats held)`` of each running sequence (1 plus its pending forks)."""
+        return [(s.request.tenant, 1 + len(s.forks)) for s in self.running]
 
     def _lacks_budget(self, seq: Sequence, budget: _StepBudget) -> bool:
         """Whether waiting ``seq`` gets no tokens from what is left of the step's budget (no
@@ -429,9 +432,10 @@ class Scheduler:
         candidates = movable if is_starved else priority_victims(seq.request.priority, movable)
         if not candidates and not is_starved and self.settings.fair_share:
             eligible = [s for s in movable if s.request.priority == seq.request.priority]
-            seats = [(s.request.tenant, 1 + len(s.forks)) for s in self.running]
             tenants = sorted({s.request.tenant for s in eligible})
-            victim = fair_share_victim(seq.request.tenant, seats, self.fair.weights, self.settings.max_num_seqs, tenants)
+            victim = fair_share_victim(
+                seq.request.tenant, self._tenant_seats(), self.fair.weights, self.settings.max_num_seqs, tenants
+            )
             candidates = [s for s in eligible if s.request.tenant == victim]
         if candidates:
             self._preempt(self._pick_victim(candidates), scheduled, budget)
